@@ -1,0 +1,307 @@
+"""Policy losses (clip rules), loss aggregation, KL estimators, entropy and value loss.
+
+A policy loss has one signature, `(logp, old_logp, advantages, mask, cfg) -> (loss, metrics)`,
+all tensors [B, T] and `mask` marking action tokens. It computes the importance ratio named
+by `cfg.ratio`, applies its clip rule to get a per-token loss, and reduces it with
+`cfg.aggregation`. Metrics are detached 0-dim tensors under namespaced keys (no host sync):
+
+    policy/loss, policy/clip_frac_low, policy/clip_frac_high, policy/is_weight_mean,
+    policy/is_weight_max, policy/approx_kl (k3 estimate of KL(mu || pi) from token ratios)
+
+Clip rules (r = ratio, A = advantage, sg = stop-gradient):
+
+- ppo:       -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)  (Schulman et al. 2017).
+             eps_high > eps_low is DAPO's clip-higher (Yu et al. 2025).
+- dual_clip: ppo, and for A < 0 the loss is at most -c A (Ye et al. 2020), so a huge ratio
+             on a negative-advantage token cannot dominate the batch.
+- cispo:     -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi (MiniMax-M1): every token keeps
+             a gradient, scaled by its clipped weight.
+- tis:       -sg(min(r, C)) A log pi: truncated importance sampling with cap C.
+- none:      -r A: plain importance sampling, no limit.
+
+The loss value of cispo and tis is a surrogate: its gradient is the policy gradient, its
+value is not an objective estimate.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from keelrl.algos.masked import masked_fill_zero, masked_max, masked_mean
+from keelrl.algos.ratios import token_log_ratio
+from keelrl.algos.registries import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, RATIOS
+
+if TYPE_CHECKING:
+    from keelrl.algos.config import AlgoConfig
+
+Metrics = dict[str, Tensor]
+
+
+# ---------------------------------------------------------------------------- aggregation
+
+@AGGREGATIONS.register("token_mean", summary="mean over all action tokens in the batch")
+def token_mean(per_token: Tensor, mask: Tensor, cfg: "AlgoConfig") -> Tensor:
+    """per_token [B, T] -> scalar: sum over action tokens / number of action tokens."""
+    return masked_mean(per_token, mask)
+
+
+@AGGREGATIONS.register("seq_mean_token_mean", summary="mean over sequences of token means")
+def seq_mean_token_mean(per_token: Tensor, mask: Tensor, cfg: "AlgoConfig") -> Tensor:
+    """[B, T] -> scalar: each row's mean over its action tokens, averaged over rows that have any."""
+    row_mean = masked_mean(per_token, mask, dim=1)  # [B]
+    has_tokens = mask.any(dim=1)
+    return masked_mean(row_mean, has_tokens)
+
+
+@AGGREGATIONS.register("seq_mean_token_sum", summary="mean over sequences of token sums")
+def seq_mean_token_sum(per_token: Tensor, mask: Tensor, cfg: "AlgoConfig") -> Tensor:
+    """[B, T] -> scalar: each row's sum over action tokens, averaged over all B rows."""
+    return masked_fill_zero(per_token, mask).sum(dim=1).mean()
+
+
+@AGGREGATIONS.register("constant", summary="token sum / (B x constant) (Dr.GRPO)")
+def constant(per_token: Tensor, mask: Tensor, cfg: "AlgoConfig") -> Tensor:
+    """[B, T] -> scalar: sum over action tokens / (B * cfg.agg_constant, or B * T if None).
+
+    A fixed normaliser gives every token the same weight whatever its sequence's length,
+    removing GRPO's length bias (Dr.GRPO, Liu et al. 2025).
+    """
+    batch, length = mask.shape
+    normaliser = batch * (cfg.agg_constant if cfg.agg_constant is not None else length)
+    return masked_fill_zero(per_token, mask).sum() / normaliser
+
+
+def aggregate(per_token: Tensor, mask: Tensor, cfg: "AlgoConfig") -> Tensor:
+    """Reduce per_token [B, T] to a scalar with the mode `cfg.aggregation`."""
+    return AGGREGATIONS.get(cfg.aggregation)(per_token, mask, cfg)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------- clip rules
+
+def _ratio_metrics(ratio: Tensor, logp: Tensor, old_logp: Tensor, mask: Tensor,
+                   clip_low: Tensor, clip_high: Tensor) -> Metrics:
+    weight = ratio.detach()
+    log_ratio = token_log_ratio(logp.detach(), old_logp, mask)
+    # k3 estimate of KL(mu || pi) with samples from mu: (r - 1) - log r, r = pi / mu.
+    approx_kl = torch.expm1(log_ratio) - log_ratio
+    return {
+        "policy/clip_frac_low": masked_mean(clip_low.to(weight.dtype), mask),
+        "policy/clip_frac_high": masked_mean(clip_high.to(weight.dtype), mask),
+        "policy/is_weight_mean": masked_mean(weight, mask),
+        "policy/is_weight_max": masked_max(weight, mask),
+        "policy/approx_kl": masked_mean(approx_kl, mask),
+    }
+
+
+def _prepare(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+             cfg: "AlgoConfig") -> tuple[Tensor, Tensor, Tensor]:
+    """-> (ratio, advantages, logp), with unmasked positions of advantages and logp zeroed."""
+    if advantages.shape != mask.shape:
+        raise ValueError(f"advantages has shape {tuple(advantages.shape)}, mask has {tuple(mask.shape)}")
+    ratio = RATIOS.get(cfg.ratio)(logp, old_logp, mask, cfg)  # type: ignore[arg-type]
+    return ratio, masked_fill_zero(advantages.detach(), mask), masked_fill_zero(logp, mask)
+
+
+def _finish(per_token: Tensor, mask: Tensor, cfg: "AlgoConfig", metrics: Metrics) -> tuple[Tensor, Metrics]:
+    loss = aggregate(per_token, mask, cfg)
+    metrics["policy/loss"] = loss.detach()
+    return loss, metrics
+
+
+def _ppo_terms(ratio: Tensor, advantages: Tensor, cfg: "AlgoConfig") -> tuple[Tensor, Tensor, Tensor]:
+    """-> (per-token PPO loss, clipped-low mask, clipped-high mask), each [B, T]."""
+    low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high  # type: ignore[operator]
+    clipped_ratio = ratio.clamp(low, high)
+    per_token = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
+    # Where the clipped branch wins the min, the gradient is zero.
+    clip_low = (ratio < low) & (advantages < 0)
+    clip_high = (ratio > high) & (advantages > 0)
+    return per_token, clip_low, clip_high
+
+
+@POLICY_LOSSES.register("ppo", summary="PPO clip: min(r A, clip(r, {lo:g}, {hi:g}) A)")
+def ppo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+        cfg: "AlgoConfig") -> tuple[Tensor, Metrics]:
+    """logp, old_logp, advantages, mask [B, T] -> (scalar loss, metrics). PPO clipped surrogate."""
+    ratio, advantages, _ = _prepare(logp, old_logp, advantages, mask, cfg)
+    per_token, clip_low, clip_high = _ppo_terms(ratio, advantages, cfg)
+    return _finish(per_token, mask, cfg, _ratio_metrics(ratio, logp, old_logp, mask, clip_low, clip_high))
+
+
+@POLICY_LOSSES.register("dual_clip", summary="PPO clip [{lo:g}, {hi:g}] + dual clip c={c:g} for A<0")
+def dual_clip(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+              cfg: "AlgoConfig") -> tuple[Tensor, Metrics]:
+    """[B, T] -> (loss, metrics). PPO, with negative-advantage token losses capped at -c A."""
+    ratio, advantages, _ = _prepare(logp, old_logp, advantages, mask, cfg)
+    per_token, clip_low, clip_high = _ppo_terms(ratio, advantages, cfg)
+    cap = -cfg.dual_clip_c * advantages  # type: ignore[operator]
+    negative = advantages < 0
+    dual_active = negative & (cap < per_token)
+    per_token = torch.where(negative, torch.minimum(per_token, cap), per_token)
+    metrics = _ratio_metrics(ratio, logp, old_logp, mask, clip_low, clip_high)
+    metrics["policy/dual_clip_frac"] = masked_mean(dual_active.to(ratio.dtype), mask)
+    return _finish(per_token, mask, cfg, metrics)
+
+
+@POLICY_LOSSES.register("cispo", summary="CISPO: sg(clip(r, {lo:g}, {hi:g})) A log pi")
+def cispo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+          cfg: "AlgoConfig") -> tuple[Tensor, Metrics]:
+    """[B, T] -> (loss, metrics). Clipped weight as a constant times A times log pi."""
+    ratio, advantages, logp_masked = _prepare(logp, old_logp, advantages, mask, cfg)
+    low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high  # type: ignore[operator]
+    weight = ratio.detach().clamp(low, high)
+    per_token = -weight * advantages * logp_masked
+    metrics = _ratio_metrics(ratio, logp, old_logp, mask, ratio < low, ratio > high)
+    return _finish(per_token, mask, cfg, metrics)
+
+
+@POLICY_LOSSES.register("tis", summary="truncated IS: sg(min(r, {cap:g})) A log pi")
+def tis(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+        cfg: "AlgoConfig") -> tuple[Tensor, Metrics]:
+    """[B, T] -> (loss, metrics). Importance weight truncated at cfg.tis_cap, as a constant."""
+    ratio, advantages, logp_masked = _prepare(logp, old_logp, advantages, mask, cfg)
+    weight = ratio.detach().clamp(max=cfg.tis_cap)
+    per_token = -weight * advantages * logp_masked
+    metrics = _ratio_metrics(ratio, logp, old_logp, mask, torch.zeros_like(mask), ratio > cfg.tis_cap)
+    return _finish(per_token, mask, cfg, metrics)
+
+
+@POLICY_LOSSES.register("none", summary="no limit: r A")
+def no_clip(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+            cfg: "AlgoConfig") -> tuple[Tensor, Metrics]:
+    """[B, T] -> (loss, metrics). Unclipped importance-weighted policy gradient."""
+    ratio, advantages, _ = _prepare(logp, old_logp, advantages, mask, cfg)
+    never = torch.zeros_like(mask)
+    return _finish(-ratio * advantages, mask, cfg, _ratio_metrics(ratio, logp, old_logp, mask, never, never))
+
+
+def describe_clip(cfg: "AlgoConfig") -> str:
+    """The clip rule's summary with this config's numbers filled in."""
+    return POLICY_LOSSES.entry(cfg.clip).summary.format(  # type: ignore[arg-type]
+        lo=1.0 - cfg.eps_low, hi=1.0 + cfg.eps_high, c=cfg.dual_clip_c, cap=cfg.tis_cap)  # type: ignore[operator]
+
+
+# ---------------------------------------------------------------------------- KL estimators
+# Samples come from pi (or from mu close to it); log_ratio = log ref - log pi at the token.
+
+@KL_ESTIMATORS.register("k1", summary="log pi - log ref (unbiased, can be negative)")
+def k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """logp, ref_logp [B, T] -> [B, T]: -log(ref/pi)."""
+    return logp - ref_logp
+
+
+@KL_ESTIMATORS.register("k2", summary="(log ref - log pi)^2 / 2 (biased, low variance)")
+def k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """logp, ref_logp [B, T] -> [B, T]: half the squared log ratio."""
+    return 0.5 * (ref_logp - logp) ** 2
+
+
+@KL_ESTIMATORS.register("k3", summary="ref/pi - 1 - log(ref/pi) (unbiased, >= 0)")
+def k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """logp, ref_logp [B, T] -> [B, T]: (ratio - 1) - log ratio with ratio = ref/pi; never negative."""
+    log_ratio = ref_logp - logp
+    return torch.expm1(log_ratio) - log_ratio
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, mask: Tensor, estimator: str) -> Tensor:
+    """logp, ref_logp, mask [B, T] -> per-token KL(pi || ref) estimate [B, T], 0 off the mask."""
+    fn = KL_ESTIMATORS.get(estimator)
+    return masked_fill_zero(fn(masked_fill_zero(logp, mask), masked_fill_zero(ref_logp, mask)), mask)
+
+
+def kl_reward_penalty(token_rewards: Tensor, logp: Tensor, ref_logp: Tensor, mask: Tensor,
+                      coef: float, estimator: str) -> Tensor:
+    """token_rewards [B, T] -> token_rewards - coef * KL per action token (no gradient).
+
+    The PPO/RLHF form: the KL is part of the reward the advantage estimator sees.
+    """
+    penalty = kl_penalty(logp.detach(), ref_logp.detach(), mask, estimator)
+    return masked_fill_zero(token_rewards, mask) - coef * penalty
+
+
+# ---------------------------------------------------------------------------- entropy
+
+def entropy_from_logits(logits: Tensor, chunk_size: int = 1024) -> Tensor:
+    """logits [B, T, V] -> entropy of softmax(logits) [B, T], in float32 chunks over T.
+
+    Each chunk's [B, chunk, V] float32 log-softmax is freed before the next, so memory stays
+    bounded for long sequences and large vocabularies.
+    """
+    pieces = []
+    for start in range(0, logits.shape[1], chunk_size):
+        chunk = logits[:, start:start + chunk_size].float()  # [B, c, V]
+        log_probs = torch.log_softmax(chunk, dim=-1)
+        pieces.append(-(log_probs.exp() * log_probs).sum(dim=-1))  # [B, c]
+    if not pieces:
+        return logits.new_zeros(logits.shape[:2], dtype=torch.float32)
+    return torch.cat(pieces, dim=1)
+
+
+def entropy_from_sampled_logprobs(logp: Tensor) -> Tensor:
+    """logp [B, T] of sampled tokens -> single-sample entropy surrogate [B, T].
+
+    For when only the sampled token's log-probability exists. The value is -log pi(y), an
+    unbiased estimate of the entropy; the gradient is -sg(log pi(y)) * grad log pi(y), an
+    unbiased score-function estimate of the entropy's gradient (E[grad log pi] = 0 drops the
+    other term).
+    """
+    sampled = logp.detach()
+    return -sampled - sampled * (logp - sampled)
+
+
+# ---------------------------------------------------------------------------- value loss
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
+               cfg: "AlgoConfig") -> tuple[Tensor, Metrics]:
+    """values, old_values, returns, mask [B, T] -> (loss, metrics). Clipped critic loss.
+
+    0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2) with c = cfg.value_clip,
+    or plain 0.5 * (V - R)^2 when it is None; reduced with cfg.aggregation.
+    """
+    returns = masked_fill_zero(returns.detach(), mask)
+    values = masked_fill_zero(values, mask)
+    old_values = masked_fill_zero(old_values.detach(), mask)
+    squared_error = (values - returns) ** 2
+    if cfg.value_clip is None:
+        per_token = 0.5 * squared_error
+        clipped = torch.zeros_like(mask)
+    else:
+        clipped_values = old_values + (values - old_values).clamp(-cfg.value_clip, cfg.value_clip)
+        clipped_error = (clipped_values - returns) ** 2
+        per_token = 0.5 * torch.maximum(squared_error, clipped_error)
+        clipped = clipped_error > squared_error
+    loss = aggregate(per_token, mask, cfg)
+    return loss, {
+        "value/loss": loss.detach(),
+        "value/mse": masked_mean(squared_error.detach(), mask),
+        "value/clip_frac": masked_mean(clipped.to(values.dtype), mask),
+        "value/mean": masked_mean(values.detach(), mask),
+    }
+
+
+# ---------------------------------------------------------------------------- full objective
+
+def policy_objective(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+                     cfg: "AlgoConfig", ref_logp: Tensor | None = None,
+                     entropy: Tensor | None = None) -> tuple[Tensor, Metrics]:
+    """All [B, T] -> (loss, metrics): policy loss + beta KL(pi || ref) - alpha entropy.
+
+    The KL term is added only when `cfg.kl_coef > 0`, `ref_logp` is given and the KL is not
+    already in the reward (`cfg.kl_in_reward`). `entropy` (per token, e.g. from
+    `entropy_from_logits`) is always logged when given; it is a bonus when cfg.entropy_coef > 0.
+    """
+    loss, metrics = POLICY_LOSSES.get(cfg.clip)(logp, old_logp, advantages, mask, cfg)  # type: ignore[arg-type]
+    if ref_logp is not None:
+        kl = kl_penalty(logp, ref_logp, mask, cfg.kl_estimator)  # type: ignore[arg-type]
+        metrics["policy/kl_ref"] = masked_mean(kl.detach(), mask)
+        if cfg.kl_coef and not cfg.kl_in_reward:
+            loss = loss + cfg.kl_coef * aggregate(kl, mask, cfg)
+    if entropy is not None:
+        metrics["policy/entropy"] = masked_mean(entropy.detach(), mask)
+        if cfg.entropy_coef:
+            loss = loss - cfg.entropy_coef * aggregate(entropy, mask, cfg)
+    metrics["loss/total"] = loss.detach()
+    return loss, metrics

@@ -1,0 +1,90 @@
+"""Importance ratios between the learner's policy pi and the behaviour policy mu.
+
+All share one signature: `fn(logp [B, T], old_logp [B, T], mask [B, T], cfg) -> ratio [B, T]`,
+where `logp` is log pi(token) (with gradient), `old_logp` is log mu(token) recorded at
+sampling time (no gradient), and `mask` marks action tokens. Observation tokens are not
+actions: they are skipped in sums, products and lengths, and get ratio exactly 1 with no
+gradient. Log-weights are clamped to +-cfg.max_log_ratio before exp so a ratio is never inf.
+
+- token:      r_t = pi(y_t) / mu(y_t)                                     (PPO, GRPO, DAPO)
+- sequence:   s = exp(mean_t log r_t), the same at every token; gradient through the mean
+              (GSPO, Zheng et al. 2025: the length-normalised sequence ratio)
+- sequence_token: value s at every token, gradient sg(s) * grad log pi(y_t) (GSPO-token:
+              equal to `sequence` when a row's advantages are equal, but allows per-token ones)
+- cumulative: R = prod_t r_t over all of a row's action tokens, the exact trajectory ratio,
+              the same at every token, gradient through every factor
+- ctpo:       P_t = prod_{s <= t} r_s, the prefix ratio at each token, gradient through the
+              current token's factor only (CTPO, Zhang et al. 2026: corrects for how often pi
+              reaches the prefix without the variance of the full product)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from keelrl.algos.masked import masked_fill_zero
+from keelrl.algos.registries import RATIOS
+
+if TYPE_CHECKING:
+    from keelrl.algos.config import AlgoConfig
+
+
+def token_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """logp, old_logp [B, T] -> log r_t [B, T], exactly 0 at observation tokens."""
+    if logp.shape != old_logp.shape or logp.shape != mask.shape:
+        raise ValueError(f"logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)} and mask "
+                         f"{tuple(mask.shape)} must all be [B, T]")
+    return masked_fill_zero(logp, mask) - masked_fill_zero(old_logp.detach(), mask)
+
+
+def _exp(log_weight: Tensor, mask: Tensor, cfg: "AlgoConfig") -> Tensor:
+    limit = cfg.max_log_ratio
+    ratio = torch.exp(log_weight.clamp(-limit, limit))  # type: ignore[arg-type]
+    return torch.where(mask, ratio, torch.ones((), dtype=ratio.dtype, device=ratio.device))
+
+
+@RATIOS.register("token", summary="per-token ratio pi/mu")
+def token(logp: Tensor, old_logp: Tensor, mask: Tensor, cfg: "AlgoConfig") -> Tensor:
+    """logp, old_logp, mask [B, T] -> r_t = exp(logp - old_logp) [B, T]."""
+    return _exp(token_log_ratio(logp, old_logp, mask), mask, cfg)
+
+
+def _sequence_mean_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """-> [B, 1]: mean of log r_t over each row's action tokens (0 for rows without any)."""
+    lengths = mask.sum(dim=1, keepdim=True).clamp(min=1)
+    return token_log_ratio(logp, old_logp, mask).sum(dim=1, keepdim=True) / lengths
+
+
+@RATIOS.register("sequence", summary="sequence ratio exp(mean log pi/mu) (GSPO)")
+def sequence(logp: Tensor, old_logp: Tensor, mask: Tensor, cfg: "AlgoConfig") -> Tensor:
+    """logp, old_logp, mask [B, T] -> s = exp(mean_t log r_t) at every action token [B, T]."""
+    mean_log_ratio = _sequence_mean_log_ratio(logp, old_logp, mask)  # [B, 1]
+    return _exp(mean_log_ratio.expand(mask.shape), mask, cfg)
+
+
+@RATIOS.register("sequence_token", summary="GSPO value, per-token gradient (GSPO-token)")
+def sequence_token(logp: Tensor, old_logp: Tensor, mask: Tensor, cfg: "AlgoConfig") -> Tensor:
+    """[B, T] -> value s (as `sequence`) with gradient sg(s) * d log pi(y_t) at token t."""
+    mean_log_ratio = _sequence_mean_log_ratio(logp, old_logp, mask).detach()  # [B, 1]
+    own = masked_fill_zero(logp, mask)
+    log_weight = mean_log_ratio + own - own.detach()  # [B, T]
+    return _exp(log_weight, mask, cfg)
+
+
+@RATIOS.register("cumulative", summary="trajectory ratio: product of all pi/mu")
+def cumulative(logp: Tensor, old_logp: Tensor, mask: Tensor, cfg: "AlgoConfig") -> Tensor:
+    """[B, T] -> prod over the row's action tokens of r_s, at every action token [B, T]."""
+    total = token_log_ratio(logp, old_logp, mask).sum(dim=1, keepdim=True)  # [B, 1]
+    return _exp(total.expand(mask.shape), mask, cfg)
+
+
+@RATIOS.register("ctpo", summary="prefix ratio prod_{s<=t} pi/mu, grad via token t (CTPO)")
+def ctpo(logp: Tensor, old_logp: Tensor, mask: Tensor, cfg: "AlgoConfig") -> Tensor:
+    """[B, T] -> P_t = prod_{s <= t} r_s [B, T]; gradient only through r_t's own log pi."""
+    log_ratio = token_log_ratio(logp, old_logp, mask)
+    prefix = torch.cumsum(log_ratio, dim=1)  # [B, T]; observation tokens add 0
+    log_weight = prefix.detach() - log_ratio.detach() + log_ratio
+    return _exp(log_weight, mask, cfg)

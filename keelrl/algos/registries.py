@@ -1,0 +1,30 @@
+"""The component registries. Importing `keelrl.algos` fills them.
+
+Each kind has exactly one call signature:
+
+- ADVANTAGES:    fn(*, token_rewards, mask, group_ids, values, turn_ids, cfg) -> AdvantageOutput
+- RATIOS:        fn(logp, old_logp, mask, cfg) -> ratio [B, T]
+- POLICY_LOSSES: fn(logp, old_logp, advantages, mask, cfg) -> (loss, metrics)
+- AGGREGATIONS:  fn(per_token [B, T], mask, cfg) -> scalar
+- KL_ESTIMATORS: fn(logp, ref_logp) -> per-token KL(pi || ref) estimate [B, T]
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from keelrl.algos.registry import Registry
+
+ADVANTAGES: Registry[Callable] = Registry("advantage estimator")
+RATIOS: Registry[Callable] = Registry("importance ratio")
+POLICY_LOSSES: Registry[Callable] = Registry("policy loss (clip rule)")
+AGGREGATIONS: Registry[Callable] = Registry("loss aggregation")
+KL_ESTIMATORS: Registry[Callable] = Registry("KL estimator")
+
+ALL = {
+    "advantage": ADVANTAGES,
+    "ratio": RATIOS,
+    "clip": POLICY_LOSSES,
+    "aggregation": AGGREGATIONS,
+    "kl_estimator": KL_ESTIMATORS,
+}

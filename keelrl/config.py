@@ -1,0 +1,207 @@
+"""Configuration: dataclasses, YAML files and dotted command-line overrides.
+
+A run's configuration is a tree of dataclasses rooted at `KeelConfig`, one dataclass per
+component. The docstring under each field is its help text (`keel config --explain`).
+`load_config(path, ["algo.preset=dapo", "seed=3"])` reads YAML, applies the overrides, checks
+every key and type, and builds the dataclasses, whose `__post_init__` validates values. Any
+problem raises `ConfigError` naming the full dotted field before any work starts.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import re
+import textwrap
+import types
+import typing
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterable, TypeVar, Union
+
+import yaml
+
+from keelrl.algos.config import AlgoConfig
+from keelrl.errors import ConfigError
+
+T = TypeVar("T")
+
+_DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
+
+
+@dataclasses.dataclass
+class KeelConfig:
+    """Everything a keelrl run does, resolved and saved in the run directory."""
+
+    seed: int = 0
+    """Seed for every random number generator of the run."""
+    device: str = "auto"
+    """auto (CUDA when present, else CPU), cpu, cuda, cuda:N or mps."""
+    algo: AlgoConfig = dataclasses.field(default_factory=AlgoConfig)
+    """The RL algorithm: preset and component overrides (see `keel algos`)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device, str) or not _DEVICE_PATTERN.match(self.device):
+            raise ConfigError("device", f"must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
+
+
+@lru_cache(maxsize=None)
+def field_docs(cls: type) -> dict[str, str]:
+    """{field name: docstring written under it} for a dataclass, read from its source."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            source = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+        body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
+        for node, following in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                    and isinstance(following.value.value, str)):
+                docs[node.target.id] = inspect.cleandoc(following.value.value)
+    return docs
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
+def _coerce(value: Any, tp: Any, field: str) -> Any:
+    """Check `value` against the annotation `tp`, converting int -> float where declared."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, field)
+            except ConfigError:
+                pass
+        raise ConfigError(field, f"expected {' or '.join(_type_name(o) for o in options)}, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):  # type: ignore[arg-type]
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(field, f"expected a mapping of {tp.__name__} fields, got {value!r}")
+        return from_dict(tp, value, prefix=field)  # type: ignore[arg-type]
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is bool or tp is str:
+        if isinstance(value, tp):
+            return value
+    elif origin in (list, tuple):
+        if isinstance(value, (list, tuple)):
+            (item_type, *_) = typing.get_args(tp) or (Any,)
+            items = [value_i if item_type is Any else _coerce(value_i, item_type, f"{field}[{i}]")
+                     for i, value_i in enumerate(value)]
+            return origin(items)
+    elif tp is Any:
+        return value
+    raise ConfigError(field, f"expected {_type_name(tp)}, got {value!r}")
+
+
+def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
+    """Build dataclass `cls` from a plain mapping, checking keys and types.
+
+    Unknown keys fail with the valid field names; `__post_init__` errors get the dotted
+    prefix of where this config sits in the tree.
+    """
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            raise ConfigError(path, f"unknown field; {cls.__name__} has: {', '.join(names)}")
+        kwargs[key] = _coerce(value, hints[key], path)
+    try:
+        return cls(**kwargs)
+    except ConfigError as error:
+        raise (error.with_prefix(prefix) if prefix else error) from None
+
+
+def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Apply `dotted.key=value` strings to a nested dict; values are parsed as YAML scalars."""
+    for override in overrides:
+        key, sep, raw = override.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(key or override, f"override {override!r} is not of the form dotted.key=value")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as error:
+            raise ConfigError(key, f"cannot parse value {raw!r}: {error}") from None
+        node = data
+        *parents, leaf = key.split(".")
+        for depth, part in enumerate(parents):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(".".join(parents[:depth + 1]), f"is a value, not a section; cannot set {key}")
+            node = child
+        node[leaf] = value
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> KeelConfig:
+    """YAML file (optional) + dotted overrides -> validated `KeelConfig`."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError("", f"config file {str(path)!r} does not exist")
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as error:
+            raise ConfigError("", f"{path}: not valid YAML: {error}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError("", f"{path}: top level must be a mapping, got {type(loaded).__name__}")
+        data = loaded
+    return from_dict(KeelConfig, apply_overrides(data, overrides))
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A config dataclass as plain nested dicts (YAML/JSON-ready)."""
+    return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg: Any) -> str:
+    """The resolved config as YAML; `load_config` of it gives back an equal config."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def _choices(cls: type, name: str) -> list[str]:
+    """Valid values of a field that names a registered component, read from the registry."""
+    if cls is AlgoConfig:
+        from keelrl.algos.presets import choices_for
+
+        return choices_for(name)
+    return []
+
+
+def explain(cls: type = KeelConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted field, default, help) for every leaf field of a config tree."""
+    rows = []
+    docs = field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        path = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows.extend(explain(hints[f.name], prefix=f"{path}."))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else "..."
+        help_text = docs.get(f.name, "")
+        choices = _choices(cls, f.name)
+        if choices:
+            help_text += f" Choices: {', '.join(choices)}."
+        rows.append((path, repr(default), help_text))
+    return rows
