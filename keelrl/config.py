@@ -89,7 +89,7 @@ def _coerce(value: Any, tp: Any, field: str) -> Any:
         if isinstance(value, tp):  # type: ignore[arg-type]
             return value
         if not isinstance(value, dict):
-            raise ConfigError(field, f"expected a mapping of {tp.__name__} fields, got {value!r}")
+            raise ConfigError(field, f"expected a mapping of {_type_name(tp)} fields, got {value!r}")
         return from_dict(tp, value, prefix=field)  # type: ignore[arg-type]
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -193,7 +193,7 @@ def explain(cls: type = KeelConfig, prefix: str = "") -> list[tuple[str, str, st
     rows = []
     docs = field_docs(cls)
     hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+    for f in dataclasses.fields(cls):
         path = f"{prefix}{f.name}"
         if dataclasses.is_dataclass(hints[f.name]):
             rows.extend(explain(hints[f.name], prefix=f"{path}."))

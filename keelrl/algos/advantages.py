@@ -61,13 +61,20 @@ class AdvantageOutput(NamedTuple):
 def outcome_to_token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
     """rewards [B], mask [B, T] -> [B, T] with each reward on the row's last action token.
 
-    Rows without any action token get no reward anywhere.
+    Rows without any action token get no reward anywhere. Floating rewards keep their dtype
+    (float64 stays float64); bool and integer rewards become the default float dtype.
     """
     batch, length = mask.shape
+    if rewards.shape != (batch,):
+        raise ValueError(f"rewards has shape {tuple(rewards.shape)}, expected ({batch},) for mask "
+                         f"{tuple(mask.shape)}: one outcome reward per row")
+    if not rewards.is_floating_point():
+        rewards = rewards.to(torch.get_default_dtype())
     positions = torch.arange(length, device=mask.device).expand(batch, length)
     last = torch.where(mask, positions, -1).max(dim=1).values  # [B]
     onehot = positions == last.unsqueeze(1)  # [B, T]; never true for rows with last = -1
-    return torch.where(onehot, rewards.unsqueeze(1).to(torch.get_default_dtype()), 0.0)
+    zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
+    return torch.where(onehot, rewards.unsqueeze(1), zero)
 
 
 def trajectory_scores(token_rewards: Tensor, mask: Tensor) -> Tensor:
@@ -75,15 +82,47 @@ def trajectory_scores(token_rewards: Tensor, mask: Tensor) -> Tensor:
     return masked_fill_zero(token_rewards, mask).sum(dim=1)
 
 
-def group_statistics(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """scores [B], group_ids [B] -> (group size, group mean, group sum) per row, each [B].
+def _same_group(group_ids: Tensor, batch: int) -> Tensor:
+    """group_ids [B] -> same [B, B], true where rows i and j share a group.
 
-    Uses a [B, B] same-group matrix: no host sync and no assumption that ids are dense.
+    A [B, B] matrix: no host sync and no assumption that ids are dense.
     """
-    same = (group_ids.unsqueeze(0) == group_ids.unsqueeze(1)).to(scores.dtype)  # [B, B]
-    size = same.sum(dim=1)
-    total = same @ scores
-    return size, total / size, total
+    if group_ids.shape != (batch,):
+        raise ValueError(f"group_ids has shape {tuple(group_ids.shape)}, expected ({batch},): "
+                         f"one group id per row")
+    return group_ids.unsqueeze(0) == group_ids.unsqueeze(1)  # [B, B]
+
+
+def _group_sum(per_row: Tensor, same: Tensor) -> Tensor:
+    """per_row [B], same [B, B] -> [B]: sum of per_row over each row's group.
+
+    A select, not a matmul: 0 * inf would let one group's inf or NaN leak into every group.
+    """
+    zero = torch.zeros((), dtype=per_row.dtype, device=per_row.device)
+    return torch.where(same, per_row.unsqueeze(0), zero).sum(dim=1)
+
+
+def group_offsets(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """scores [B], group_ids [B] -> (same [B, B], group size [B], offsets [B]).
+
+    offsets = score minus the best score of its group. Group means are taken over offsets,
+    not raw scores: equal scores have offsets of exactly 0, so an all-equal group gets exactly
+    0 advantage. A mean of raw scores rounds: six equal float32 scores of about 539 gave a
+    GRPO advantage of 1.5 once divided by the group's rounding-noise std.
+    """
+    same = _same_group(group_ids, scores.shape[0])
+    size = same.sum(dim=1).to(scores.dtype)
+    if scores.shape[0] == 0:  # amax cannot reduce an empty dim; nothing to centre
+        return same, size, scores
+    lowest = torch.full((), float("-inf"), dtype=scores.dtype, device=scores.device)
+    best = torch.where(same, scores.unsqueeze(0), lowest).amax(dim=1)  # [B]
+    return same, size, scores - best
+
+
+def _group_centred(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """scores [B], group_ids [B] -> (same [B, B], group size [B], score - group mean [B])."""
+    same, size, offsets = group_offsets(scores, group_ids)
+    return same, size, offsets - _group_sum(offsets, same) / size
 
 
 def _broadcast(per_row: Tensor, mask: Tensor) -> Tensor:
@@ -124,11 +163,9 @@ def grpo(*, token_rewards: Tensor, mask: Tensor, group_ids: Tensor,
     """token_rewards [B, T] -> [B, T]: (score - group mean), / group std if cfg.norm_by_std."""
     token_rewards = _sanitize(token_rewards, mask)
     scores = trajectory_scores(token_rewards, mask)  # [B]
-    size, mean, _ = group_statistics(scores, group_ids)
-    centred = scores - mean
+    same, size, centred = _group_centred(scores, group_ids)
     if cfg.norm_by_std:
-        same = (group_ids.unsqueeze(0) == group_ids.unsqueeze(1)).to(scores.dtype)  # [B, B]
-        sq_dev = same @ (centred**2)  # [B], sum of squared deviations in the row's group
+        sq_dev = _group_sum(centred**2, same)  # [B], sum of squared deviations in the row's group
         var = sq_dev / (size - 1).clamp(min=1)
         std = torch.where(size > 1, var.sqrt(), torch.zeros_like(var))
         centred = centred / (std + GROUP_STD_EPS)
@@ -142,8 +179,8 @@ def dr_grpo(*, token_rewards: Tensor, mask: Tensor, group_ids: Tensor,
     """token_rewards [B, T] -> [B, T]: score minus its group's mean."""
     token_rewards = _sanitize(token_rewards, mask)
     scores = trajectory_scores(token_rewards, mask)
-    _, mean, _ = group_statistics(scores, group_ids)
-    return _group_output(scores - mean, token_rewards, mask, cfg)
+    _, _, centred = _group_centred(scores, group_ids)
+    return _group_output(centred, token_rewards, mask, cfg)
 
 
 @ADVANTAGES.register("rloo", summary="leave-one-out: r - mean of the group's others (RLOO)",
@@ -156,9 +193,9 @@ def rloo(*, token_rewards: Tensor, mask: Tensor, group_ids: Tensor,
     """
     token_rewards = _sanitize(token_rewards, mask)
     scores = trajectory_scores(token_rewards, mask)
-    size, _, total = group_statistics(scores, group_ids)
-    others_mean = (total - scores) / (size - 1).clamp(min=1)
-    advantage = torch.where(size > 1, scores - others_mean, torch.zeros_like(scores))
+    same, size, offsets = group_offsets(scores, group_ids)
+    others_mean = (_group_sum(offsets, same) - offsets) / (size - 1).clamp(min=1)  # as offsets
+    advantage = torch.where(size > 1, offsets - others_mean, torch.zeros_like(scores))
     return _group_output(advantage, token_rewards, mask, cfg)
 
 
@@ -184,7 +221,7 @@ def _scan(rewards: Tensor, values: Tensor, steps: Tensor, gamma: float, lam: flo
 
 
 def _to_turns(token_rewards: Tensor, values: Tensor, mask: Tensor,
-              turn_ids: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+              turn_ids: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Token tensors [B, T] -> turn tensors [B, K] (rewards, values, is-turn) and ids [B, T].
 
     A turn exists in a row when it has at least one action token. Its value is the value at
@@ -209,10 +246,18 @@ def _to_turns(token_rewards: Tensor, values: Tensor, mask: Tensor,
     return turn_rewards, masked_fill_zero(turn_values, is_turn), is_turn, ids
 
 
+def _check_values(values: Tensor, mask: Tensor) -> Tensor:
+    # torch.where would broadcast a [B, 1] or [T] tensor silently; values are per token.
+    if values.shape != mask.shape:
+        raise ValueError(f"values has shape {tuple(values.shape)}, mask has {tuple(mask.shape)}; "
+                         f"they must match ([B, T])")
+    return masked_fill_zero(values, mask)
+
+
 def _step_estimator(token_rewards: Tensor, mask: Tensor, values: Tensor | None,
                     turn_ids: Tensor | None, cfg: "AlgoConfig", lam: float) -> AdvantageOutput:
     token_rewards = _sanitize(token_rewards, mask)
-    values = torch.zeros_like(token_rewards) if values is None else masked_fill_zero(values, mask)
+    values = torch.zeros_like(token_rewards) if values is None else _check_values(values, mask)
     if cfg.level == "token":
         return AdvantageOutput(*_scan(token_rewards, values, mask, cfg.gamma, lam))
     turn_rewards, turn_values, is_turn, ids = _to_turns(token_rewards, values, mask, turn_ids)  # [B, K]
@@ -254,7 +299,7 @@ def gae(*, token_rewards: Tensor, mask: Tensor, group_ids: Tensor,
 def td_errors(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
     """token_rewards, values, mask [B, T] -> delta [B, T] over action tokens (observations skipped)."""
     token_rewards = _sanitize(token_rewards, mask)
-    return _scan(token_rewards, masked_fill_zero(values, mask), mask, gamma, 0.0)[0]
+    return _scan(token_rewards, _check_values(values, mask), mask, gamma, 0.0)[0]
 
 
 def compute_advantages(*, token_rewards: Tensor, mask: Tensor, group_ids: Tensor,
@@ -264,7 +309,7 @@ def compute_advantages(*, token_rewards: Tensor, mask: Tensor, group_ids: Tensor
 
     Returns are never whitened: they are the critic's regression target.
     """
-    estimator = ADVANTAGES.get(cfg.advantage)  # type: ignore[arg-type]
+    estimator = ADVANTAGES.get(cfg.advantage)
     out = estimator(token_rewards=token_rewards, mask=mask, group_ids=group_ids,
                     values=values, turn_ids=turn_ids, cfg=cfg)
     if cfg.whiten:

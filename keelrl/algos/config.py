@@ -1,7 +1,8 @@
 """The algorithm configuration: which components run and their hyper-parameters.
 
-`AlgoConfig(preset="dapo")` fills every field left as None from the preset, so a resolved
-config names every component explicitly; any field set by the user wins over the preset.
+`AlgoConfig(preset="dapo")` fills every field the user did not set from the preset (and the
+preset's gaps from `BASE_SETTINGS`), so a resolved config names every component explicitly
+and every field has its annotated type; any field set by the user wins over the preset.
 Validation runs in `__post_init__` and raises `ConfigError` naming the field and the bad
 value; unknown component names list the valid ones, read from the registries.
 """
@@ -9,10 +10,21 @@ value; unknown component names list the valid ones, read from the registries.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 from keelrl.errors import ConfigError
 
 LEVELS = ("token", "turn")
+
+
+class _FromPreset:
+    """Default of every preset-controlled field until `__post_init__` replaces it."""
+
+    def __repr__(self) -> str:
+        return "<from preset>"
+
+
+FROM_PRESET: Any = _FromPreset()
 
 
 @dataclass
@@ -21,49 +33,49 @@ class AlgoConfig:
 
     preset: str = "grpo"
     """Named combination of components (see `keel algos`); fields below override it."""
-    advantage: str | None = None
+    advantage: str = FROM_PRESET
     """Advantage estimator: who gets credit for the outcome."""
-    ratio: str | None = None
+    ratio: str = FROM_PRESET
     """Importance ratio between the learner and the behaviour policy."""
-    clip: str | None = None
+    clip: str = FROM_PRESET
     """Policy loss, named by its clip rule."""
-    aggregation: str | None = None
+    aggregation: str = FROM_PRESET
     """How per-token losses become one scalar."""
-    eps_low: float | None = None
+    eps_low: float = FROM_PRESET
     """Lower clip width: ratios below 1 - eps_low are clipped."""
-    eps_high: float | None = None
+    eps_high: float = FROM_PRESET
     """Upper clip width: ratios above 1 + eps_high are clipped (DAPO clip-higher: > eps_low)."""
-    dual_clip_c: float | None = None
+    dual_clip_c: float = FROM_PRESET
     """Dual-clip bound c > 1 on the loss of negative-advantage tokens (dual_clip rule)."""
-    tis_cap: float | None = None
+    tis_cap: float = FROM_PRESET
     """Cap C on truncated importance weights min(ratio, C) (tis rule)."""
-    norm_by_std: bool | None = None
+    norm_by_std: bool = FROM_PRESET
     """GRPO: divide group-centred rewards by the group's standard deviation."""
-    whiten: bool | None = None
+    whiten: bool = FROM_PRESET
     """Whiten advantages over the batch's action tokens after the estimator."""
-    gamma: float | None = None
+    gamma: float = FROM_PRESET
     """Discount per step (token or turn, see `level`)."""
-    lam: float | None = None
+    lam: float = FROM_PRESET
     """GAE lambda: 0 trusts the critic (TD error), 1 is the Monte Carlo reward-to-go."""
-    level: str | None = None
+    level: str = FROM_PRESET
     """Steps for discounting, TD and GAE: each action token, or each turn."""
-    kl_coef: float | None = None
+    kl_coef: float = FROM_PRESET
     """Weight beta of the KL(pi || ref) term; 0 disables the reference model."""
-    kl_estimator: str | None = None
+    kl_estimator: str = FROM_PRESET
     """Estimator of KL(pi || ref) from sampled tokens."""
-    kl_in_reward: bool | None = None
+    kl_in_reward: bool = FROM_PRESET
     """Apply KL as a per-token reward penalty (PPO/RLHF) instead of a loss term (GRPO)."""
-    entropy_coef: float | None = None
+    entropy_coef: float = FROM_PRESET
     """Weight alpha of the entropy bonus (0 = off)."""
-    value_clip: float | None = None
+    value_clip: float | None = FROM_PRESET
     """Clip range of the critic's value update around its old prediction (None = unclipped)."""
-    value_coef: float | None = None
+    value_coef: float = FROM_PRESET
     """Weight of the value loss when the critic shares the policy body."""
-    agg_constant: int | None = None
+    agg_constant: int | None = FROM_PRESET
     """Constant normaliser of the 'constant' aggregation (Dr.GRPO); None = sequence length T."""
-    dynamic_sampling: bool | None = None
+    dynamic_sampling: bool = FROM_PRESET
     """DAPO: keep only groups with mixed rewards and resample until the batch is full."""
-    max_log_ratio: float | None = None
+    max_log_ratio: float = FROM_PRESET
     """Log importance weights are clamped to +-this before exp, so weights stay finite."""
 
     def __post_init__(self) -> None:
@@ -75,12 +87,16 @@ class AlgoConfig:
             raise ConfigError("preset", f"unknown preset {self.preset!r}; valid names: {', '.join(PRESETS)}")
         preset = PRESETS[self.preset]
         for f in fields(self):
-            if f.name != "preset" and getattr(self, f.name) is None:
+            if f.name != "preset" and getattr(self, f.name) is FROM_PRESET:
                 value = preset.settings.get(f.name, BASE_SETTINGS.get(f.name))
                 setattr(self, f.name, value)
         self._validate(registries)
 
-    def _validate(self, registries) -> None:  # noqa: ANN001 - module passed to avoid cycles
+    def _validate(self, registries: Any) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("bool", "str") and type(value).__name__ != f.type:
+                raise ConfigError(f.name, f"expected {f.type}, got {value!r}")
         registries.ADVANTAGES.check(self.advantage, "advantage")
         registries.RATIOS.check(self.ratio, "ratio")
         registries.POLICY_LOSSES.check(self.clip, "clip")
@@ -110,16 +126,16 @@ class AlgoConfig:
         """True when the advantage estimator needs value predictions."""
         from keelrl.algos.registries import ADVANTAGES
 
-        return "critic" in ADVANTAGES.entry(self.advantage).tags  # type: ignore[arg-type]
+        return "critic" in ADVANTAGES.entry(self.advantage).tags
 
 
-def _in_range(name: str, value: float | None, low: float | None, high: float | None) -> None:
+def _in_range(name: str, value: object, low: float | None, high: float | None) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     ok = ok and value == value  # rejects NaN
     if ok and low is not None:
-        ok = value >= low  # type: ignore[operator]
+        ok = float(value) >= low  # type: ignore[arg-type]
     if ok and high is not None:
-        ok = value <= high  # type: ignore[operator]
+        ok = float(value) <= high  # type: ignore[arg-type]
     if not ok:
         bounds = f"[{low if low is not None else '-inf'}, {high if high is not None else 'inf'}]"
         raise ConfigError(name, f"must be a number in {bounds}, got {value!r}")

@@ -76,7 +76,7 @@ def constant(per_token: Tensor, mask: Tensor, cfg: "AlgoConfig") -> Tensor:
 
 def aggregate(per_token: Tensor, mask: Tensor, cfg: "AlgoConfig") -> Tensor:
     """Reduce per_token [B, T] to a scalar with the mode `cfg.aggregation`."""
-    return AGGREGATIONS.get(cfg.aggregation)(per_token, mask, cfg)  # type: ignore[arg-type]
+    return AGGREGATIONS.get(cfg.aggregation)(per_token, mask, cfg)
 
 
 # ---------------------------------------------------------------------------- clip rules
@@ -101,7 +101,7 @@ def _prepare(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
     """-> (ratio, advantages, logp), with unmasked positions of advantages and logp zeroed."""
     if advantages.shape != mask.shape:
         raise ValueError(f"advantages has shape {tuple(advantages.shape)}, mask has {tuple(mask.shape)}")
-    ratio = RATIOS.get(cfg.ratio)(logp, old_logp, mask, cfg)  # type: ignore[arg-type]
+    ratio = RATIOS.get(cfg.ratio)(logp, old_logp, mask, cfg)
     return ratio, masked_fill_zero(advantages.detach(), mask), masked_fill_zero(logp, mask)
 
 
@@ -113,7 +113,7 @@ def _finish(per_token: Tensor, mask: Tensor, cfg: "AlgoConfig", metrics: Metrics
 
 def _ppo_terms(ratio: Tensor, advantages: Tensor, cfg: "AlgoConfig") -> tuple[Tensor, Tensor, Tensor]:
     """-> (per-token PPO loss, clipped-low mask, clipped-high mask), each [B, T]."""
-    low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high  # type: ignore[operator]
+    low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
     clipped_ratio = ratio.clamp(low, high)
     per_token = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
     # Where the clipped branch wins the min, the gradient is zero.
@@ -137,7 +137,7 @@ def dual_clip(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
     """[B, T] -> (loss, metrics). PPO, with negative-advantage token losses capped at -c A."""
     ratio, advantages, _ = _prepare(logp, old_logp, advantages, mask, cfg)
     per_token, clip_low, clip_high = _ppo_terms(ratio, advantages, cfg)
-    cap = -cfg.dual_clip_c * advantages  # type: ignore[operator]
+    cap = -cfg.dual_clip_c * advantages
     negative = advantages < 0
     dual_active = negative & (cap < per_token)
     per_token = torch.where(negative, torch.minimum(per_token, cap), per_token)
@@ -151,7 +151,7 @@ def cispo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
           cfg: "AlgoConfig") -> tuple[Tensor, Metrics]:
     """[B, T] -> (loss, metrics). Clipped weight as a constant times A times log pi."""
     ratio, advantages, logp_masked = _prepare(logp, old_logp, advantages, mask, cfg)
-    low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high  # type: ignore[operator]
+    low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
     weight = ratio.detach().clamp(low, high)
     per_token = -weight * advantages * logp_masked
     metrics = _ratio_metrics(ratio, logp, old_logp, mask, ratio < low, ratio > high)
@@ -180,8 +180,8 @@ def no_clip(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
 
 def describe_clip(cfg: "AlgoConfig") -> str:
     """The clip rule's summary with this config's numbers filled in."""
-    return POLICY_LOSSES.entry(cfg.clip).summary.format(  # type: ignore[arg-type]
-        lo=1.0 - cfg.eps_low, hi=1.0 + cfg.eps_high, c=cfg.dual_clip_c, cap=cfg.tis_cap)  # type: ignore[operator]
+    return POLICY_LOSSES.entry(cfg.clip).summary.format(
+        lo=1.0 - cfg.eps_low, hi=1.0 + cfg.eps_high, c=cfg.dual_clip_c, cap=cfg.tis_cap)
 
 
 # ---------------------------------------------------------------------------- KL estimators
@@ -293,9 +293,9 @@ def policy_objective(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask
     already in the reward (`cfg.kl_in_reward`). `entropy` (per token, e.g. from
     `entropy_from_logits`) is always logged when given; it is a bonus when cfg.entropy_coef > 0.
     """
-    loss, metrics = POLICY_LOSSES.get(cfg.clip)(logp, old_logp, advantages, mask, cfg)  # type: ignore[arg-type]
+    loss, metrics = POLICY_LOSSES.get(cfg.clip)(logp, old_logp, advantages, mask, cfg)
     if ref_logp is not None:
-        kl = kl_penalty(logp, ref_logp, mask, cfg.kl_estimator)  # type: ignore[arg-type]
+        kl = kl_penalty(logp, ref_logp, mask, cfg.kl_estimator)
         metrics["policy/kl_ref"] = masked_mean(kl.detach(), mask)
         if cfg.kl_coef and not cfg.kl_in_reward:
             loss = loss + cfg.kl_coef * aggregate(kl, mask, cfg)

@@ -109,7 +109,7 @@ def comparison_table() -> list[dict[str, Any]]:
     rows = []
     for name, preset in PRESETS.items():
         cfg = AlgoConfig(preset=name)
-        estimator = ADVANTAGES.entry(cfg.advantage)  # type: ignore[arg-type]
+        estimator = ADVANTAGES.entry(cfg.advantage)
         credit = estimator.summary
         if "uses_std" in estimator.tags and not cfg.norm_by_std:
             credit += " (std division off)"
@@ -123,8 +123,8 @@ def comparison_table() -> list[dict[str, Any]]:
         rows.append({
             "preset": name,
             "credit": credit,
-            "token_weighting": f"{RATIOS.entry(cfg.ratio).summary}; "  # type: ignore[arg-type]
-                               f"{AGGREGATIONS.entry(cfg.aggregation).summary}",  # type: ignore[arg-type]
+            "token_weighting": f"{RATIOS.entry(cfg.ratio).summary}; "
+                               f"{AGGREGATIONS.entry(cfg.aggregation).summary}",
             "update_limit": describe_clip(cfg),
             "kl": kl,
             "dynamic_sampling": bool(cfg.dynamic_sampling),

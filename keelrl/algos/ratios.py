@@ -42,7 +42,7 @@ def token_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
 
 def _exp(log_weight: Tensor, mask: Tensor, cfg: "AlgoConfig") -> Tensor:
     limit = cfg.max_log_ratio
-    ratio = torch.exp(log_weight.clamp(-limit, limit))  # type: ignore[arg-type]
+    ratio = torch.exp(log_weight.clamp(-limit, limit))
     return torch.where(mask, ratio, torch.ones((), dtype=ratio.dtype, device=ratio.device))
 
 

@@ -1,0 +1,77 @@
+"""The real `keel` entry point, run as a user runs it."""
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from keelrl.algos import ALL, PRESETS, AlgoConfig
+from keelrl.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def keel(*args: str) -> subprocess.CompletedProcess:
+    exe = shutil.which("keel", path=str(Path(sys.executable).parent))
+    assert exe, "the keel console script is not installed next to this interpreter"
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+def test_keel_algos_prints_the_table_for_every_preset():
+    result = keel("algos")
+    assert result.returncode == 0, result.stderr
+    for name in PRESETS:
+        assert re.search(rf"^\S*\s*{re.escape(name)}\s", result.stdout, re.MULTILINE), name
+    for column in ("credit assignment", "token weighting", "update limit"):
+        assert column in result.stdout
+
+
+def test_keel_algos_json_matches_the_registries(capsys):
+    assert main(["algos", "--format", "json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert [row["preset"] for row in payload["presets"]] == list(PRESETS)
+    assert {kind: list(names) for kind, names in payload["components"].items()} == \
+        {kind: registry.names() for kind, registry in ALL.items()}
+    dapo = next(row for row in payload["presets"] if row["preset"] == "dapo")
+    assert dapo["components"]["clip"] == AlgoConfig(preset="dapo").clip
+    assert dapo["dynamic_sampling"] is True
+
+
+def test_keel_algos_single_preset_and_unknown_preset(capsys):
+    assert main(["algos", "--preset", "cispo", "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["presets"]
+    assert [row["preset"] for row in rows] == ["cispo"]
+    assert main(["algos", "--preset", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown preset 'nope'" in err and "grpo" in err
+
+
+def test_keel_config_resolves_and_rejects():
+    ok = keel("config", "configs/dapo.yaml", "algo.entropy_coef=0.01")
+    assert ok.returncode == 0, ok.stderr
+    assert "eps_high: 0.28" in ok.stdout and "entropy_coef: 0.01" in ok.stdout
+    bad = keel("config", "algo.clip=ppo2")
+    assert bad.returncode == 2
+    assert "algo.clip" in bad.stderr and "dual_clip" in bad.stderr
+
+
+def test_keel_config_explain_lists_fields(capsys):
+    assert main(["config", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "algo.eps_high" in out and "clip-higher" in out
+
+
+def test_keel_version():
+    result = keel("--version")
+    assert result.returncode == 0 and "keelrl" in result.stdout
+
+
+@pytest.mark.parametrize("argv", [[], ["frobnicate"]])
+def test_bad_usage_exits_nonzero(argv):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code != 0
