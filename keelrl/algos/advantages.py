@@ -19,6 +19,10 @@ with the other trajectories of its group (`group_ids`, any integers; equal id = 
 - dr_grpo: score minus group mean, never divided (Dr.GRPO, Liu et al. 2025).
 - rloo: score minus the mean of the *other* members of its group (Kool et al. 2019).
 
+Their `returns` are the discounted reward-to-go at `cfg.level`, as `reward_to_go` computes it,
+so a critic can be trained beside a group estimator. A row without action tokens still counts
+as a member of its group, with score 0.
+
 Step estimators run a backward scan over steps, where a step is an action token
 (`cfg.level == "token"`) or a whole turn (`"turn"`: the turn's reward is the sum of its
 tokens' rewards, its value is the critic's value at the turn's first action token, and the
@@ -131,8 +135,9 @@ def _broadcast(per_row: Tensor, mask: Tensor) -> Tensor:
 
 
 def _group_output(per_row_adv: Tensor, token_rewards: Tensor, mask: Tensor,
-                  cfg: "AlgoConfig") -> "AdvantageOutput":
-    returns = _scan(token_rewards, torch.zeros_like(token_rewards), mask, cfg.gamma, 1.0)[0]
+                  turn_ids: Tensor | None, cfg: "AlgoConfig") -> "AdvantageOutput":
+    """Broadcast per-row advantages; returns are the discounted reward-to-go at cfg.level."""
+    returns = _step_estimator(token_rewards, mask, None, turn_ids, cfg, lam=1.0).returns
     return AdvantageOutput(_broadcast(per_row_adv, mask), returns)
 
 
@@ -153,7 +158,7 @@ def reinforce(*, token_rewards: Tensor, mask: Tensor, group_ids: Tensor,
               values: Tensor | None, turn_ids: Tensor | None, cfg: "AlgoConfig") -> AdvantageOutput:
     """token_rewards [B, T] -> advantages [B, T]: each row's total reward at every action token."""
     token_rewards = _sanitize(token_rewards, mask)
-    return _group_output(trajectory_scores(token_rewards, mask), token_rewards, mask, cfg)
+    return _group_output(trajectory_scores(token_rewards, mask), token_rewards, mask, turn_ids, cfg)
 
 
 @ADVANTAGES.register("grpo", summary="group comparison: (r - group mean) / group std",
@@ -169,7 +174,7 @@ def grpo(*, token_rewards: Tensor, mask: Tensor, group_ids: Tensor,
         var = sq_dev / (size - 1).clamp(min=1)
         std = torch.where(size > 1, var.sqrt(), torch.zeros_like(var))
         centred = centred / (std + GROUP_STD_EPS)
-    return _group_output(centred, token_rewards, mask, cfg)
+    return _group_output(centred, token_rewards, mask, turn_ids, cfg)
 
 
 @ADVANTAGES.register("dr_grpo", summary="group comparison: r - group mean (no std)",
@@ -180,7 +185,7 @@ def dr_grpo(*, token_rewards: Tensor, mask: Tensor, group_ids: Tensor,
     token_rewards = _sanitize(token_rewards, mask)
     scores = trajectory_scores(token_rewards, mask)
     _, _, centred = _group_centred(scores, group_ids)
-    return _group_output(centred, token_rewards, mask, cfg)
+    return _group_output(centred, token_rewards, mask, turn_ids, cfg)
 
 
 @ADVANTAGES.register("rloo", summary="leave-one-out: r - mean of the group's others (RLOO)",
@@ -196,7 +201,7 @@ def rloo(*, token_rewards: Tensor, mask: Tensor, group_ids: Tensor,
     same, size, offsets = group_offsets(scores, group_ids)
     others_mean = (_group_sum(offsets, same) - offsets) / (size - 1).clamp(min=1)  # as offsets
     advantage = torch.where(size > 1, offsets - others_mean, torch.zeros_like(scores))
-    return _group_output(advantage, token_rewards, mask, cfg)
+    return _group_output(advantage, token_rewards, mask, turn_ids, cfg)
 
 
 def _scan(rewards: Tensor, values: Tensor, steps: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:

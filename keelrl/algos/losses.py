@@ -5,8 +5,12 @@ all tensors [B, T] and `mask` marking action tokens. It computes the importance 
 by `cfg.ratio`, applies its clip rule to get a per-token loss, and reduces it with
 `cfg.aggregation`. Metrics are detached 0-dim tensors under namespaced keys (no host sync):
 
-    policy/loss, policy/clip_frac_low, policy/clip_frac_high, policy/is_weight_mean,
-    policy/is_weight_max, policy/approx_kl (k3 estimate of KL(mu || pi) from token ratios)
+    policy/loss, policy/clip_frac (low + high), policy/clip_frac_low, policy/clip_frac_high,
+    policy/is_weight_mean, policy/is_weight_max, policy/approx_kl (k3 estimate of KL(mu || pi)
+    from token ratios, log-ratios clamped like the weights)
+
+`policy_objective` adds policy/entropy (when per-token entropy is given), policy/kl_ref
+(when reference log-probs are given) and loss/total.
 
 Clip rules (r = ratio, A = advantage, sg = stop-gradient):
 
@@ -82,12 +86,14 @@ def aggregate(per_token: Tensor, mask: Tensor, cfg: "AlgoConfig") -> Tensor:
 # ---------------------------------------------------------------------------- clip rules
 
 def _ratio_metrics(ratio: Tensor, logp: Tensor, old_logp: Tensor, mask: Tensor,
-                   clip_low: Tensor, clip_high: Tensor) -> Metrics:
+                   clip_low: Tensor, clip_high: Tensor, cfg: "AlgoConfig") -> Metrics:
     weight = ratio.detach()
     log_ratio = token_log_ratio(logp.detach(), old_logp, mask)
+    log_ratio = log_ratio.clamp(-cfg.max_log_ratio, cfg.max_log_ratio)  # finite in float32 too
     # k3 estimate of KL(mu || pi) with samples from mu: (r - 1) - log r, r = pi / mu.
     approx_kl = torch.expm1(log_ratio) - log_ratio
     return {
+        "policy/clip_frac": masked_mean((clip_low | clip_high).to(weight.dtype), mask),
         "policy/clip_frac_low": masked_mean(clip_low.to(weight.dtype), mask),
         "policy/clip_frac_high": masked_mean(clip_high.to(weight.dtype), mask),
         "policy/is_weight_mean": masked_mean(weight, mask),
@@ -128,7 +134,7 @@ def ppo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
     """logp, old_logp, advantages, mask [B, T] -> (scalar loss, metrics). PPO clipped surrogate."""
     ratio, advantages, _ = _prepare(logp, old_logp, advantages, mask, cfg)
     per_token, clip_low, clip_high = _ppo_terms(ratio, advantages, cfg)
-    return _finish(per_token, mask, cfg, _ratio_metrics(ratio, logp, old_logp, mask, clip_low, clip_high))
+    return _finish(per_token, mask, cfg, _ratio_metrics(ratio, logp, old_logp, mask, clip_low, clip_high, cfg))
 
 
 @POLICY_LOSSES.register("dual_clip", summary="PPO clip [{lo:g}, {hi:g}] + dual clip c={c:g} for A<0")
@@ -141,7 +147,7 @@ def dual_clip(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
     negative = advantages < 0
     dual_active = negative & (cap < per_token)
     per_token = torch.where(negative, torch.minimum(per_token, cap), per_token)
-    metrics = _ratio_metrics(ratio, logp, old_logp, mask, clip_low, clip_high)
+    metrics = _ratio_metrics(ratio, logp, old_logp, mask, clip_low, clip_high, cfg)
     metrics["policy/dual_clip_frac"] = masked_mean(dual_active.to(ratio.dtype), mask)
     return _finish(per_token, mask, cfg, metrics)
 
@@ -154,7 +160,7 @@ def cispo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
     low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
     weight = ratio.detach().clamp(low, high)
     per_token = -weight * advantages * logp_masked
-    metrics = _ratio_metrics(ratio, logp, old_logp, mask, ratio < low, ratio > high)
+    metrics = _ratio_metrics(ratio, logp, old_logp, mask, ratio < low, ratio > high, cfg)
     return _finish(per_token, mask, cfg, metrics)
 
 
@@ -165,7 +171,7 @@ def tis(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
     ratio, advantages, logp_masked = _prepare(logp, old_logp, advantages, mask, cfg)
     weight = ratio.detach().clamp(max=cfg.tis_cap)
     per_token = -weight * advantages * logp_masked
-    metrics = _ratio_metrics(ratio, logp, old_logp, mask, torch.zeros_like(mask), ratio > cfg.tis_cap)
+    metrics = _ratio_metrics(ratio, logp, old_logp, mask, torch.zeros_like(mask), ratio > cfg.tis_cap, cfg)
     return _finish(per_token, mask, cfg, metrics)
 
 
@@ -175,7 +181,7 @@ def no_clip(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
     """[B, T] -> (loss, metrics). Unclipped importance-weighted policy gradient."""
     ratio, advantages, _ = _prepare(logp, old_logp, advantages, mask, cfg)
     never = torch.zeros_like(mask)
-    return _finish(-ratio * advantages, mask, cfg, _ratio_metrics(ratio, logp, old_logp, mask, never, never))
+    return _finish(-ratio * advantages, mask, cfg, _ratio_metrics(ratio, logp, old_logp, mask, never, never, cfg))
 
 
 def describe_clip(cfg: "AlgoConfig") -> str:
@@ -209,7 +215,8 @@ def k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
 def kl_penalty(logp: Tensor, ref_logp: Tensor, mask: Tensor, estimator: str) -> Tensor:
     """logp, ref_logp, mask [B, T] -> per-token KL(pi || ref) estimate [B, T], 0 off the mask."""
     fn = KL_ESTIMATORS.get(estimator)
-    return masked_fill_zero(fn(masked_fill_zero(logp, mask), masked_fill_zero(ref_logp, mask)), mask)
+    # The reference model is a fixed anchor: no gradient ever flows into it.
+    return masked_fill_zero(fn(masked_fill_zero(logp, mask), masked_fill_zero(ref_logp.detach(), mask)), mask)
 
 
 def kl_reward_penalty(token_rewards: Tensor, logp: Tensor, ref_logp: Tensor, mask: Tensor,
@@ -218,7 +225,7 @@ def kl_reward_penalty(token_rewards: Tensor, logp: Tensor, ref_logp: Tensor, mas
 
     The PPO/RLHF form: the KL is part of the reward the advantage estimator sees.
     """
-    penalty = kl_penalty(logp.detach(), ref_logp.detach(), mask, estimator)
+    penalty = kl_penalty(logp.detach(), ref_logp, mask, estimator)
     return masked_fill_zero(token_rewards, mask) - coef * penalty
 
 
@@ -234,7 +241,11 @@ def entropy_from_logits(logits: Tensor, chunk_size: int = 1024) -> Tensor:
     for start in range(0, logits.shape[1], chunk_size):
         chunk = logits[:, start:start + chunk_size].float()  # [B, c, V]
         log_probs = torch.log_softmax(chunk, dim=-1)
-        pieces.append(-(log_probs.exp() * log_probs).sum(dim=-1))  # [B, c]
+        probs = log_probs.exp()
+        # A -inf logit (masked vocabulary entry) has p = 0 and adds 0 log 0 = 0, not NaN;
+        # zeroing log p there first keeps the backward pass finite too.
+        log_probs = torch.where(probs > 0, log_probs, 0.0)
+        pieces.append(-(probs * log_probs).sum(dim=-1))  # [B, c]
     if not pieces:
         return logits.new_zeros(logits.shape[:2], dtype=torch.float32)
     return torch.cat(pieces, dim=1)

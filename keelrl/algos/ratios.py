@@ -4,7 +4,10 @@ All share one signature: `fn(logp [B, T], old_logp [B, T], mask [B, T], cfg) -> 
 where `logp` is log pi(token) (with gradient), `old_logp` is log mu(token) recorded at
 sampling time (no gradient), and `mask` marks action tokens. Observation tokens are not
 actions: they are skipped in sums, products and lengths, and get ratio exactly 1 with no
-gradient. Log-weights are clamped to +-cfg.max_log_ratio before exp so a ratio is never inf.
+gradient. Log-weights are clamped to +-cfg.max_log_ratio before exp so a ratio is never inf;
+a token whose log-weight is past the clamp gets no gradient through the ratio, as if clipped
+(with the default 20, that is a weight above 4.8e8: only an exact trajectory ratio or a
+CTPO prefix over a long, stale trajectory gets there).
 
 - token:      r_t = pi(y_t) / mu(y_t)                                     (PPO, GRPO, DAPO)
 - sequence:   s = exp(mean_t log r_t), the same at every token; gradient through the mean
