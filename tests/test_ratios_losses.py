@@ -936,3 +936,26 @@ def test_approx_kl_metric_stays_finite_for_huge_float32_log_ratios():
     assert torch.isfinite(metrics["policy/approx_kl"])
     assert metrics["policy/approx_kl"].item() == pytest.approx(expected, rel=1e-5)
     assert metrics["policy/clip_frac"].item() == pytest.approx(0.5)
+
+
+def test_exploration_collapse_worked_numbers_and_the_entropy_bonus_pushes_back():
+    # Lecture: three actions at 0.2/0.6/0.2 drift to 0.01/0.98/0.01.
+    # H(0.2, 0.6, 0.2)    = -(2 * 0.2 ln 0.2 + 0.6 ln 0.6)     = 0.643775 + 0.306495 = 0.950271
+    # H(0.01, 0.98, 0.01) = -(2 * 0.01 ln 0.01 + 0.98 ln 0.98) = 0.092103 + 0.019799 = 0.111902
+    before = torch.log(t64([0.2, 0.6, 0.2])).view(1, 1, 3)
+    after = torch.log(t64([0.01, 0.98, 0.01])).view(1, 1, 3)
+    assert entropy_from_logits(before).item() == pytest.approx(0.950271, abs=1e-6)
+    assert entropy_from_logits(after).item() == pytest.approx(0.111902, abs=1e-6)
+    # With zero advantages the objective is the entropy bonus alone; a gradient step on it
+    # moves probability back to the rare actions A and C.
+    logits = after.clone().requires_grad_(True)
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    logp = torch.log_softmax(logits, -1)[..., 1]
+    loss, metrics = policy_objective(logp=logp, old_logp=logp.detach(), advantages=torch.zeros(1, 1, dtype=F64),
+                                     mask=mask, cfg=make_cfg(entropy_coef=0.1), entropy=entropy_from_logits(logits))
+    assert metrics["policy/entropy"].item() == pytest.approx(0.111902, abs=1e-6)
+    loss.backward()
+    stepped = (logits - 10.0 * logits.grad).detach()
+    probs = torch.softmax(stepped, -1).flatten()
+    assert probs[0] > 0.01 and probs[2] > 0.01 and probs[1] < 0.98
+    assert entropy_from_logits(stepped).item() > 0.111902
