@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from rich.console import Console
@@ -83,10 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _looks_like_override(argument: str) -> bool:
+    """`algo.preset=dapo` is an override; `runs/lr=3e-4/config.yaml` (an existing file) is not."""
+    return not Path(argument).exists() and re.match(r"^[A-Za-z_][\w.]*=", argument) is not None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "config", None) and "=" in args.config:
+    if getattr(args, "config", None) and _looks_like_override(args.config):
         args.overrides = [args.config, *args.overrides]
         args.config = None
     try:

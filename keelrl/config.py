@@ -94,6 +94,11 @@ def _coerce(value: Any, tp: Any, field: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 4e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value

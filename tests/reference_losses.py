@@ -108,7 +108,8 @@ def aggregation_weights(mode: str, mask: Mask, agg_constant: int | None) -> Grid
             elif mode == "seq_mean_token_sum":
                 w.append(1.0 / batch)
             elif mode == "constant":
-                w.append(1.0 / (batch * (agg_constant if agg_constant is not None else length)))
+                assert agg_constant is not None
+                w.append(1.0 / (batch * agg_constant))
             else:
                 raise KeyError(mode)
         out.append(w)
@@ -138,7 +139,8 @@ def aggregate(mode: str, per_token: Grid, mask: Mask, agg_constant: int | None) 
         return sum(sums) / batch
     if mode == "constant":
         total = sum(v for v_row, m_row in zip(per_token, mask) for v, m in zip(v_row, m_row) if m)
-        return total / (batch * (agg_constant if agg_constant is not None else length))
+        assert agg_constant is not None
+        return total / (batch * agg_constant)
     raise KeyError(mode)
 
 

@@ -75,3 +75,11 @@ def test_bad_usage_exits_nonzero(argv):
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code != 0
+
+
+def test_config_file_path_containing_equals_is_a_file_not_an_override(tmp_path, capsys):
+    run_dir = tmp_path / "lr=3e-4"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("algo:\n  preset: cispo\n")
+    assert main(["config", str(run_dir / "config.yaml")]) == 0
+    assert "clip: cispo" in capsys.readouterr().out

@@ -32,12 +32,13 @@ from keelrl.algos import (
     value_loss,
 )
 from keelrl.algos.losses import aggregate
+from keelrl.errors import ConfigError
 
 F64 = torch.float64
 RATIO_NAMES = ["token", "sequence", "sequence_token", "cumulative", "ctpo"]
 CLIP_NAMES = ["ppo", "dual_clip", "cispo", "tis", "none"]
 AGG_MODES = [("token_mean", None), ("seq_mean_token_mean", None), ("seq_mean_token_sum", None),
-             ("constant", None), ("constant", 16)]
+             ("constant", 4), ("constant", 16)]
 COMBOS = [(r, c, a, k) for r in RATIO_NAMES for c in CLIP_NAMES for (a, k) in AGG_MODES]
 SHAPES = [(1, 1), (2, 3), (3, 6), (4, 9), (6, 4), (5, 12)]
 RATIO_METRICS = {"policy/loss", "policy/clip_frac", "policy/clip_frac_low", "policy/clip_frac_high",
@@ -302,10 +303,11 @@ def test_aggregation_worked_example():
     # Row 0: tokens 1, 3 (length 2); row 1: 5, 7, 9 (length 3); row 2: no action tokens. T = 4.
     # token_mean = 25 / 5 = 5; seq_mean_token_mean = (2 + 7) / 2 = 4.5 (empty row skipped);
     # seq_mean_token_sum = (4 + 21 + 0) / 3 = 25 / 3; constant = 25 / (3 * 4), or 25 / (3 * 10).
+    # ('constant' must be given its normaliser: None is a config error, tested below.)
     per_token = t64([[1, 3, 99, 99], [5, 7, 9, 99], [99, 99, 99, 99]])
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]], dtype=torch.bool)
     expected = {("token_mean", None): 5.0, ("seq_mean_token_mean", None): 4.5,
-                ("seq_mean_token_sum", None): 25 / 3, ("constant", None): 25 / 12,
+                ("seq_mean_token_sum", None): 25 / 3, ("constant", 4): 25 / 12,
                 ("constant", 10): 25 / 30}
     for (mode, constant), value in expected.items():
         got = aggregate(per_token, mask, make_cfg(aggregation=mode, agg_constant=constant))
@@ -790,8 +792,9 @@ def test_entropy_from_logits_matches_naive(chunk_size):
     logits = 3.0 * torch.randn(2, 7, 11, generator=g, dtype=F64)
     naive = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
     got = entropy_from_logits(logits, chunk_size=chunk_size)
-    assert got.shape == (2, 7) and got.dtype == torch.float32
-    torch.testing.assert_close(got.double(), naive, rtol=1e-5, atol=1e-6)
+    assert got.shape == (2, 7) and got.dtype == torch.float64  # float64 stays float64
+    torch.testing.assert_close(got, naive, **TIGHT)
+    assert entropy_from_logits(logits.float(), chunk_size=chunk_size).dtype == torch.float32
     for b, t in itertools.product(range(2), range(7)):
         assert got[b, t].item() == pytest.approx(ref.entropy(logits[b, t].tolist()), rel=1e-5, abs=1e-6)
     # differentiable like the naive version
@@ -867,8 +870,11 @@ def test_policy_objective_kl_term_only_when_enabled(mode):
         (0.0, False, True, policy_only),
         (0.1, False, True, policy_only + 0.1 * kl_agg),
         (0.1, True, True, policy_only),
-        (0.1, False, False, policy_only),
     ]
+    # A KL term in the loss without reference log-probs is an error, not a silent no-op.
+    with pytest.raises(ValueError, match="ref_logp is None"):
+        policy_objective(logp=logp, old_logp=old_logp, advantages=advantages, mask=mask,
+                         cfg=make_cfg(aggregation=mode, kl_coef=0.1, kl_estimator="k3"), ref_logp=None)
     for kl_coef, in_reward, give_ref, expected in cases:
         cfg = make_cfg(aggregation=mode, kl_coef=kl_coef, kl_in_reward=in_reward, kl_estimator="k3")
         loss, metrics = policy_objective(logp=logp, old_logp=old_logp, advantages=advantages, mask=mask,
@@ -883,14 +889,16 @@ def test_policy_objective_kl_term_only_when_enabled(mode):
 
 
 def test_policy_objective_kl_gradient():
-    # k1 with kl_coef 0.1 and token_mean: the KL adds 0.1 / N to d loss / d logp at each action token.
+    # k2 = (log pi - log ref)^2 / 2 with kl_coef 0.1 and token_mean: the KL adds
+    # 0.1 * (log pi - log ref) / N to d loss / d logp at each action token.
     logp, old_logp, advantages, mask, ref_logp, _ = _objective_inputs()
-    cfg = make_cfg(kl_coef=0.1, kl_estimator="k1")
+    cfg = make_cfg(kl_coef=0.1, kl_estimator="k2")
     policy_grad = grad_of(lambda x: POLICY_LOSSES.get("ppo")(x, old_logp, advantages, mask, cfg)[0], logp)
     total_grad = grad_of(lambda x: policy_objective(logp=x, old_logp=old_logp, advantages=advantages,
                                                     mask=mask, cfg=cfg, ref_logp=ref_logp)[0], logp)
     n = int(mask.sum())
-    torch.testing.assert_close(total_grad - policy_grad, mask.to(F64) * (0.1 / n), **TIGHT)
+    expected = torch.where(mask, 0.1 * (logp - ref_logp) / n, 0.0)
+    torch.testing.assert_close(total_grad - policy_grad, expected, **TIGHT)
 
 
 def test_policy_objective_entropy_bonus():
@@ -959,3 +967,91 @@ def test_exploration_collapse_worked_numbers_and_the_entropy_bonus_pushes_back()
     probs = torch.softmax(stepped, -1).flatten()
     assert probs[0] > 0.01 and probs[2] > 0.01 and probs[1] < 0.98
     assert entropy_from_logits(stepped).item() > 0.111902
+
+
+def test_kl_estimators_as_loss_terms_have_the_documented_expected_gradients():
+    # Exact expectation over a categorical pi (no sampling noise): the loss term's expected
+    # gradient w.r.t. the logits is sum_a pi(a) * d k(a) / d logits, samples held fixed.
+    # k1 -> 0; k2 -> grad KL(pi || ref); k3 -> grad KL(ref || pi) (Tang & Munos 2025).
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(5, generator=g, dtype=F64, requires_grad=True)
+    ref = torch.log_softmax(torch.randn(5, generator=g, dtype=F64), 0)
+    mask = torch.ones(1, 5, dtype=torch.bool)
+
+    def expected_grad(estimator: str) -> torch.Tensor:
+        logp = torch.log_softmax(logits, 0)
+        per_action = kl_penalty(logp.view(1, 5), ref.view(1, 5), mask, estimator).view(5)
+        (grad,) = torch.autograd.grad((logp.exp().detach() * per_action).sum(), logits)
+        return grad
+
+    def kl_grad(forward: bool) -> torch.Tensor:
+        logp = torch.log_softmax(logits, 0)
+        kl = (logp.exp() * (logp - ref)).sum() if forward else (ref.exp() * (ref - logp)).sum()
+        (grad,) = torch.autograd.grad(kl, logits)
+        return grad
+
+    torch.testing.assert_close(expected_grad("k1"), torch.zeros(5, dtype=F64), atol=1e-15, rtol=0)
+    torch.testing.assert_close(expected_grad("k2"), kl_grad(forward=True), **TIGHT)
+    torch.testing.assert_close(expected_grad("k3"), kl_grad(forward=False), **TIGHT)
+    assert not torch.allclose(kl_grad(forward=True), kl_grad(forward=False))  # the distinction is real
+
+
+def test_k1_in_the_loss_is_a_config_error():
+    with pytest.raises(ConfigError, match="zero expected gradient") as info:
+        AlgoConfig(preset="grpo", kl_estimator="k1", kl_coef=0.1, kl_in_reward=False)
+    assert info.value.field == "kl_estimator"
+    AlgoConfig(preset="grpo", kl_estimator="k1", kl_coef=0.1, kl_in_reward=True)  # fine as a reward penalty
+
+
+@pytest.mark.parametrize("ratio_name", ["token", "sequence", "ctpo"])
+@pytest.mark.parametrize("clip", ["ppo", "cispo"])
+def test_half_precision_inputs_are_computed_in_float32(ratio_name, clip):
+    # GSPO-scale clip bounds (1 +- 3e-4) are below bf16's resolution at 1.0 (0.0078): the loss
+    # must upcast, so bf16 inputs give what float32 gives on the same (bf16-rounded) values.
+    g = torch.Generator().manual_seed(5)
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    logp = (-1.0 - torch.rand(4, 6, generator=g)).to(torch.bfloat16)
+    old_logp = (logp.float() - 0.002 * torch.randn(4, 6, generator=g)).to(torch.bfloat16)
+    advantages = torch.randn(4, 6, generator=g).to(torch.bfloat16)
+    cfg = make_cfg(ratio=ratio_name, clip=clip, eps_low=3e-4, eps_high=4e-4)
+    half_leaf = logp.clone().requires_grad_(True)
+    full_leaf = logp.float().clone().requires_grad_(True)
+    half_loss, half_metrics = POLICY_LOSSES.get(clip)(half_leaf, old_logp, advantages, mask, cfg)
+    full_loss, full_metrics = POLICY_LOSSES.get(clip)(full_leaf, old_logp.float(), advantages.float(), mask, cfg)
+    assert half_loss.dtype == torch.float32
+    torch.testing.assert_close(half_loss, full_loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(half_metrics["policy/clip_frac"], full_metrics["policy/clip_frac"])
+    half_loss.backward()
+    full_loss.backward()
+    torch.testing.assert_close(half_leaf.grad.float(), full_leaf.grad.to(torch.bfloat16).float())
+
+
+def test_whitening_equal_advantages_gives_zero_not_amplified_rounding_noise():
+    from keelrl.algos.masked import masked_whiten
+
+    values = torch.full((10, 100), 0.1, dtype=torch.float32)
+    mask = torch.ones_like(values, dtype=torch.bool)
+    assert torch.equal(masked_whiten(values, mask), torch.zeros_like(values))
+    spread = values + torch.linspace(-1, 1, 1000).view(10, 100)
+    whitened = masked_whiten(spread, mask)
+    assert abs(whitened.mean().item()) < 1e-5 and abs(whitened.std(unbiased=False).item() - 1) < 1e-4
+
+
+def test_entropy_of_an_all_minus_inf_position_stays_finite_with_gradient():
+    logits = torch.tensor([[[0.0, 1.0, 2.0], [float("-inf")] * 3]], dtype=F64, requires_grad=True)
+    entropy = entropy_from_logits(logits, chunk_size=1)
+    assert torch.isfinite(entropy).all()
+    entropy[0, 0].backward()
+    assert torch.isfinite(logits.grad).all() and logits.grad[0, 1].abs().sum() == 0
+
+
+def test_checkpointed_entropy_gradient_equals_the_plain_one():
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 7, 5, generator=g, dtype=F64, requires_grad=True)
+    chunked = entropy_from_logits(logits, chunk_size=3)
+    (chunked_grad,) = torch.autograd.grad((chunked * torch.arange(7)).sum(), logits)
+    log_probs = torch.log_softmax(logits, -1)
+    plain = -(log_probs.exp() * log_probs).sum(-1)
+    (plain_grad,) = torch.autograd.grad((plain * torch.arange(7)).sum(), logits)
+    torch.testing.assert_close(chunked, plain.detach(), **TIGHT)
+    torch.testing.assert_close(chunked_grad, plain_grad, **TIGHT)

@@ -196,3 +196,38 @@ def test_every_field_has_help_and_component_fields_list_choices():
         assert all(name in rows[f"algo.{field}"] for name in ALL[field].names())
     assert choices_for("preset") == list(PRESETS)
     assert choices_for("gamma") == []
+
+
+def test_registering_a_function_with_the_wrong_signature_fails():
+    with pytest.raises(TypeError, match=r"must take \(logp, old_logp, mask, cfg\)"):
+        algos.RATIOS.register("wrong_signature", summary="x")(lambda logp, mask, cfg: logp)
+    assert "wrong_signature" not in algos.RATIOS
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"max_log_ratio": 200.0}, "max_log_ratio"),   # exp(200) is inf in float32
+    ({"eps_high": float("inf")}, "eps_high"),
+    ({"kl_coef": float("inf")}, "kl_coef"),
+    ({"dual_clip_c": float("inf")}, "dual_clip_c"),
+    ({"tis_cap": float("inf")}, "tis_cap"),
+    ({"agg_constant": True}, "agg_constant"),
+    ({"agg_constant": 2.5}, "agg_constant"),
+    ({"agg_constant": "8"}, "agg_constant"),
+    ({"tis_cap": "2"}, "tis_cap"),
+    ({"whiten": 1}, "whiten"),
+    ({"aggregation": "constant", "agg_constant": None}, "agg_constant"),
+])
+def test_direct_construction_rejects_bad_values_with_config_errors(kwargs, field):
+    with pytest.raises(ConfigError) as info:
+        AlgoConfig(preset="grpo", **kwargs)
+    assert info.value.field == field
+
+
+def test_yaml_1_1_exponent_floats_are_accepted(tmp_path):
+    # PyYAML reads 4e-4 (no dot) as a string; GSPO's own value must still work.
+    cfg = load_config(overrides=["algo.preset=gspo", "algo.eps_high=4e-4", "algo.eps_low=3e-4"])
+    assert (cfg.algo.eps_low, cfg.algo.eps_high) == (3e-4, 4e-4)
+    (tmp_path / "c.yaml").write_text("algo:\n  entropy_coef: 1e-3\n")
+    assert load_config(tmp_path / "c.yaml").algo.entropy_coef == 1e-3
+    with pytest.raises(ConfigError):
+        load_config(overrides=["algo.eps_high=4e-4x"])

@@ -137,7 +137,11 @@ def _broadcast(per_row: Tensor, mask: Tensor) -> Tensor:
 def _group_output(per_row_adv: Tensor, token_rewards: Tensor, mask: Tensor,
                   turn_ids: Tensor | None, cfg: "AlgoConfig") -> "AdvantageOutput":
     """Broadcast per-row advantages; returns are the discounted reward-to-go at cfg.level."""
-    returns = _step_estimator(token_rewards, mask, None, turn_ids, cfg, lam=1.0).returns
+    if cfg.gamma == 1.0 and cfg.level == "token":  # no discount: a reversed cumsum, no scan
+        rewards = masked_fill_zero(token_rewards, mask)
+        returns = masked_fill_zero(rewards.flip(1).cumsum(1).flip(1), mask)  # [B, T]
+    else:
+        returns = _step_estimator(token_rewards, mask, None, turn_ids, cfg, lam=1.0).returns
     return AdvantageOutput(_broadcast(per_row_adv, mask), returns)
 
 
@@ -239,7 +243,7 @@ def _to_turns(token_rewards: Tensor, values: Tensor, mask: Tensor,
     ids = torch.where(mask, turn_ids.long(), 0)
     if bool((ids < 0).any()):
         raise ValueError("turn_ids must be >= 0 at action tokens")
-    num_turns = int(ids.max()) + 1 if ids.numel() else 1  # one sync per batch, not per token
+    num_turns = int(ids.max()) + 1 if ids.numel() else 1  # two syncs per batch, none per token
     batch, length = mask.shape
     turn_rewards = torch.zeros(batch, num_turns, dtype=token_rewards.dtype, device=mask.device)
     turn_rewards.scatter_add_(1, ids, masked_fill_zero(token_rewards, mask))

@@ -3,12 +3,16 @@
 `AlgoConfig(preset="dapo")` fills every field the user did not set from the preset (and the
 preset's gaps from `BASE_SETTINGS`), so a resolved config names every component explicitly
 and every field has its annotated type; any field set by the user wins over the preset.
-Validation runs in `__post_init__` and raises `ConfigError` naming the field and the bad
-value; unknown component names list the valid ones, read from the registries.
+A resolved config (the one saved in a run directory) pins every field, so changing only
+its `preset` changes nothing else: start from the preset instead (`keel config
+algo.preset=NAME`). Validation runs in `__post_init__` and raises `ConfigError` naming the
+field and the bad value; unknown component names list the valid ones, read from the
+registries.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -72,7 +76,7 @@ class AlgoConfig:
     value_coef: float = FROM_PRESET
     """Weight of the value loss when the critic shares the policy body."""
     agg_constant: int | None = FROM_PRESET
-    """Constant normaliser of the 'constant' aggregation (Dr.GRPO); None = sequence length T."""
+    """Constant normaliser of the 'constant' aggregation (Dr.GRPO): the max generated tokens."""
     dynamic_sampling: bool = FROM_PRESET
     """DAPO: keep only groups with mixed rewards and resample until the batch is full."""
     max_log_ratio: float = FROM_PRESET
@@ -94,9 +98,7 @@ class AlgoConfig:
 
     def _validate(self, registries: Any) -> None:
         for f in fields(self):
-            value = getattr(self, f.name)
-            if f.type in ("bool", "str") and type(value).__name__ != f.type:
-                raise ConfigError(f.name, f"expected {f.type}, got {value!r}")
+            _check_type(f.name, getattr(self, f.name), str(f.type))
         registries.ADVANTAGES.check(self.advantage, "advantage")
         registries.RATIOS.check(self.ratio, "ratio")
         registries.POLICY_LOSSES.check(self.clip, "clip")
@@ -111,15 +113,19 @@ class AlgoConfig:
         _in_range("kl_coef", self.kl_coef, 0.0, None)
         _in_range("entropy_coef", self.entropy_coef, 0.0, None)
         _in_range("value_coef", self.value_coef, 0.0, None)
-        _in_range("max_log_ratio", self.max_log_ratio, 1e-6, None)
-        if not self.dual_clip_c > 1.0:
-            raise ConfigError("dual_clip_c", f"must be > 1, got {self.dual_clip_c!r}")
-        if not self.tis_cap > 0.0:
-            raise ConfigError("tis_cap", f"must be > 0, got {self.tis_cap!r}")
+        _in_range("max_log_ratio", self.max_log_ratio, 1e-6, MAX_LOG_RATIO_LIMIT)
+        _in_range("dual_clip_c", self.dual_clip_c, 1.0 + 1e-9, None)
+        _in_range("tis_cap", self.tis_cap, 1e-12, None)
         if self.value_clip is not None:
             _in_range("value_clip", self.value_clip, 1e-12, None)
         if self.agg_constant is not None and not self.agg_constant > 0:
             raise ConfigError("agg_constant", f"must be a positive int or None, got {self.agg_constant!r}")
+        if self.aggregation == "constant" and self.agg_constant is None:
+            raise ConfigError("agg_constant", "aggregation 'constant' needs a fixed normaliser "
+                              "(the max number of generated tokens); got None")
+        if self.kl_estimator == "k1" and not self.kl_in_reward and self.kl_coef > 0:
+            raise ConfigError("kl_estimator", "k1 as a loss term has zero expected gradient; "
+                              "use k2 or k3 in the loss, or k1 with kl_in_reward=true")
 
     @property
     def uses_critic(self) -> bool:
@@ -129,9 +135,27 @@ class AlgoConfig:
         return "critic" in ADVANTAGES.entry(self.advantage).tags
 
 
+MAX_LOG_RATIO_LIMIT = 80.0
+"""exp(80) ~ 5.5e34 is finite in float32 (which overflows near exp(88.7))."""
+
+_TYPES = {"float": (int, float), "int": (int,), "bool": (bool,), "str": (str,)}
+
+
+def _check_type(name: str, value: object, annotation: str) -> None:
+    """Raise ConfigError unless `value` fits an annotation such as 'float' or 'int | None'."""
+    options = [option.strip() for option in annotation.split("|")]
+    if value is None and "None" in options:
+        return
+    for option in options:
+        allowed = _TYPES.get(option)
+        if allowed and isinstance(value, allowed) and (option == "bool" or not isinstance(value, bool)):
+            return
+    raise ConfigError(name, f"expected {annotation}, got {value!r}")
+
+
 def _in_range(name: str, value: object, low: float | None, high: float | None) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    ok = ok and value == value  # rejects NaN
+    ok = ok and math.isfinite(float(value))  # type: ignore[arg-type]
     if ok and low is not None:
         ok = float(value) >= low  # type: ignore[arg-type]
     if ok and high is not None:

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from keelrl.algos.masked import masked_fill_zero, masked_max, masked_mean
-from keelrl.algos.ratios import token_log_ratio
+from keelrl.algos.ratios import compute_dtype, token_log_ratio
 from keelrl.algos.registries import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, RATIOS
 
 if TYPE_CHECKING:
@@ -68,14 +68,15 @@ def seq_mean_token_sum(per_token: Tensor, mask: Tensor, cfg: "AlgoConfig") -> Te
 
 @AGGREGATIONS.register("constant", summary="token sum / (B x constant) (Dr.GRPO)")
 def constant(per_token: Tensor, mask: Tensor, cfg: "AlgoConfig") -> Tensor:
-    """[B, T] -> scalar: sum over action tokens / (B * cfg.agg_constant, or B * T if None).
+    """[B, T] -> scalar: sum over action tokens / (B * cfg.agg_constant).
 
     A fixed normaliser gives every token the same weight whatever its sequence's length,
-    removing GRPO's length bias (Dr.GRPO, Liu et al. 2025).
+    removing GRPO's length bias (Dr.GRPO, Liu et al. 2025). It must not depend on the batch's
+    padded length, so the config requires it.
     """
-    batch, length = mask.shape
-    normaliser = batch * (cfg.agg_constant if cfg.agg_constant is not None else length)
-    return masked_fill_zero(per_token, mask).sum() / normaliser
+    if cfg.agg_constant is None:
+        raise ValueError("aggregation 'constant' needs cfg.agg_constant (the max generated tokens)")
+    return masked_fill_zero(per_token, mask).sum() / (mask.shape[0] * cfg.agg_constant)
 
 
 def aggregate(per_token: Tensor, mask: Tensor, cfg: "AlgoConfig") -> Tensor:
@@ -104,11 +105,13 @@ def _ratio_metrics(ratio: Tensor, logp: Tensor, old_logp: Tensor, mask: Tensor,
 
 def _prepare(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
              cfg: "AlgoConfig") -> tuple[Tensor, Tensor, Tensor]:
-    """-> (ratio, advantages, logp), with unmasked positions of advantages and logp zeroed."""
+    """-> (ratio, advantages, logp) in the ratio's (>= float32) dtype, unmasked positions zeroed."""
     if advantages.shape != mask.shape:
         raise ValueError(f"advantages has shape {tuple(advantages.shape)}, mask has {tuple(mask.shape)}")
     ratio = RATIOS.get(cfg.ratio)(logp, old_logp, mask, cfg)
-    return ratio, masked_fill_zero(advantages.detach(), mask), masked_fill_zero(logp, mask)
+    dtype = torch.promote_types(ratio.dtype, compute_dtype(advantages))
+    return (ratio.to(dtype), masked_fill_zero(advantages.detach().to(dtype), mask),
+            masked_fill_zero(logp.to(dtype), mask))
 
 
 def _finish(per_token: Tensor, mask: Tensor, cfg: "AlgoConfig", metrics: Metrics) -> tuple[Tensor, Metrics]:
@@ -192,6 +195,10 @@ def describe_clip(cfg: "AlgoConfig") -> str:
 
 # ---------------------------------------------------------------------------- KL estimators
 # Samples come from pi (or from mu close to it); log_ratio = log ref - log pi at the token.
+# As values, k1 and k3 are unbiased estimates of KL(pi || ref) and k2 is biased. As loss
+# terms differentiated through log pi with the samples held fixed, their expected gradients
+# differ (Tang & Munos 2025): k1 gives zero (so it is only allowed as a reward penalty),
+# k2 gives the gradient of KL(pi || ref), and k3 (GRPO's choice) that of KL(ref || pi).
 
 @KL_ESTIMATORS.register("k1", summary="log pi - log ref (unbiased, can be negative)")
 def k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
@@ -201,13 +208,16 @@ def k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
 
 @KL_ESTIMATORS.register("k2", summary="(log ref - log pi)^2 / 2 (biased, low variance)")
 def k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
-    """logp, ref_logp [B, T] -> [B, T]: half the squared log ratio."""
+    """logp, ref_logp [B, T] -> [B, T]: half the squared log ratio; its gradient is KL(pi || ref)'s."""
     return 0.5 * (ref_logp - logp) ** 2
 
 
 @KL_ESTIMATORS.register("k3", summary="ref/pi - 1 - log(ref/pi) (unbiased, >= 0)")
 def k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
-    """logp, ref_logp [B, T] -> [B, T]: (ratio - 1) - log ratio with ratio = ref/pi; never negative."""
+    """logp, ref_logp [B, T] -> [B, T]: (ratio - 1) - log ratio with ratio = ref/pi; never negative.
+
+    As a loss term its expected gradient is that of KL(ref || pi), the reverse direction.
+    """
     log_ratio = ref_logp - logp
     return torch.expm1(log_ratio) - log_ratio
 
@@ -231,23 +241,38 @@ def kl_reward_penalty(token_rewards: Tensor, logp: Tensor, ref_logp: Tensor, mas
 
 # ---------------------------------------------------------------------------- entropy
 
-def entropy_from_logits(logits: Tensor, chunk_size: int = 1024) -> Tensor:
-    """logits [B, T, V] -> entropy of softmax(logits) [B, T], in float32 chunks over T.
+def _chunk_entropy(chunk: Tensor) -> Tensor:
+    """chunk [B, c, V] (any float dtype) -> entropy [B, c] in float32 (float64 stays float64)."""
+    chunk = chunk.to(compute_dtype(chunk))
+    # A position whose logits are all -inf has no distribution; treat it as uniform rather
+    # than let NaN reach a gradient (such positions are padding and get masked later).
+    chunk = torch.where(torch.isfinite(chunk).any(dim=-1, keepdim=True), chunk, 0.0)
+    log_probs = torch.log_softmax(chunk, dim=-1)
+    probs = log_probs.exp()
+    # A -inf logit (masked vocabulary entry) has p = 0 and adds 0 log 0 = 0, not NaN;
+    # zeroing log p there first keeps the backward pass finite too.
+    log_probs = torch.where(probs > 0, log_probs, 0.0)
+    return -(probs * log_probs).sum(dim=-1)
 
-    Each chunk's [B, chunk, V] float32 log-softmax is freed before the next, so memory stays
-    bounded for long sequences and large vocabularies.
+
+def entropy_from_logits(logits: Tensor, chunk_size: int = 1024) -> Tensor:
+    """logits [B, T, V] -> entropy of softmax(logits) [B, T], in float32 (or float64) chunks over T.
+
+    Only one chunk's [B, chunk, V] float32 intermediates exist at a time. When gradients are
+    needed, each chunk is checkpointed (recomputed in the backward pass), so autograd keeps
+    the logits and the [B, T] result, not a float32 copy of every chunk.
     """
+    from torch.utils.checkpoint import checkpoint
+
     pieces = []
     for start in range(0, logits.shape[1], chunk_size):
-        chunk = logits[:, start:start + chunk_size].float()  # [B, c, V]
-        log_probs = torch.log_softmax(chunk, dim=-1)
-        probs = log_probs.exp()
-        # A -inf logit (masked vocabulary entry) has p = 0 and adds 0 log 0 = 0, not NaN;
-        # zeroing log p there first keeps the backward pass finite too.
-        log_probs = torch.where(probs > 0, log_probs, 0.0)
-        pieces.append(-(probs * log_probs).sum(dim=-1))  # [B, c]
+        chunk = logits[:, start:start + chunk_size]  # [B, c, V]
+        if chunk.requires_grad and torch.is_grad_enabled():
+            pieces.append(checkpoint(_chunk_entropy, chunk, use_reentrant=False))  # [B, c]
+        else:
+            pieces.append(_chunk_entropy(chunk))
     if not pieces:
-        return logits.new_zeros(logits.shape[:2], dtype=torch.float32)
+        return logits.new_zeros(logits.shape[:2], dtype=compute_dtype(logits))
     return torch.cat(pieces, dim=1)
 
 
@@ -298,12 +323,15 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
 def policy_objective(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
                      cfg: "AlgoConfig", ref_logp: Tensor | None = None,
                      entropy: Tensor | None = None) -> tuple[Tensor, Metrics]:
-    """All [B, T] -> (loss, metrics): policy loss + beta KL(pi || ref) - alpha entropy.
+    """All [B, T] -> (loss, metrics): policy loss + beta KL - alpha entropy.
 
     The KL term is added only when `cfg.kl_coef > 0`, `ref_logp` is given and the KL is not
     already in the reward (`cfg.kl_in_reward`). `entropy` (per token, e.g. from
     `entropy_from_logits`) is always logged when given; it is a bonus when cfg.entropy_coef > 0.
     """
+    if ref_logp is None and cfg.kl_coef > 0 and not cfg.kl_in_reward:
+        raise ValueError(f"cfg.kl_coef={cfg.kl_coef} puts a KL term in the loss, but ref_logp is None; "
+                         f"pass the reference model's log-probs or set kl_coef=0")
     loss, metrics = POLICY_LOSSES.get(cfg.clip)(logp, old_logp, advantages, mask, cfg)
     if ref_logp is not None:
         kl = kl_penalty(logp, ref_logp, mask, cfg.kl_estimator)

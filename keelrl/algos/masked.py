@@ -53,8 +53,13 @@ def masked_max(values: Tensor, mask: Tensor) -> Tensor:
 def masked_whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     """values [B, T] -> [B, T] shifted to mean 0 and scaled to std 1 over masked positions.
 
-    Unmasked positions come back as 0.
+    Unmasked positions come back as 0. Values that are all equal come back as exactly 0:
+    a spread below 1e-6 of their magnitude is rounding noise, and scaling it up to std 1
+    would invent a signal.
     """
     mean = masked_mean(values, mask)
-    std = masked_var(values, mask).sqrt()
-    return masked_fill_zero((values - mean) / (std + eps), mask)
+    centred = masked_fill_zero(values - mean, mask)
+    std = masked_mean(centred**2, mask).sqrt()
+    noise_floor = 1e-6 * masked_mean(values.abs(), mask)
+    scaled = torch.where(std > noise_floor, centred / (std + eps), torch.zeros_like(centred))
+    return masked_fill_zero(scaled, mask)

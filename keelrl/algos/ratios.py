@@ -35,12 +35,23 @@ if TYPE_CHECKING:
     from keelrl.algos.config import AlgoConfig
 
 
+def compute_dtype(tensor: Tensor) -> torch.dtype:
+    """float32 for half-precision inputs, else the input's own float dtype.
+
+    Ratios near 1 and clip bounds like GSPO's 1 +- 3e-4 are below bf16's resolution (0.0078
+    at 1.0), so losses are never computed in half precision. Log-probabilities should come
+    from a float32 log-softmax too: this cannot undo rounding that already happened.
+    """
+    return torch.promote_types(tensor.dtype, torch.float32)
+
+
 def token_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
-    """logp, old_logp [B, T] -> log r_t [B, T], exactly 0 at observation tokens."""
+    """logp, old_logp [B, T] -> log r_t [B, T] in >= float32, exactly 0 at observation tokens."""
     if logp.shape != old_logp.shape or logp.shape != mask.shape:
         raise ValueError(f"logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)} and mask "
                          f"{tuple(mask.shape)} must all be [B, T]")
-    return masked_fill_zero(logp, mask) - masked_fill_zero(old_logp.detach(), mask)
+    dtype = torch.promote_types(compute_dtype(logp), compute_dtype(old_logp))
+    return masked_fill_zero(logp.to(dtype), mask) - masked_fill_zero(old_logp.detach().to(dtype), mask)
 
 
 def _exp(log_weight: Tensor, mask: Tensor, cfg: "AlgoConfig") -> Tensor:
@@ -72,7 +83,7 @@ def sequence(logp: Tensor, old_logp: Tensor, mask: Tensor, cfg: "AlgoConfig") ->
 def sequence_token(logp: Tensor, old_logp: Tensor, mask: Tensor, cfg: "AlgoConfig") -> Tensor:
     """[B, T] -> value s (as `sequence`) with gradient sg(s) * d log pi(y_t) at token t."""
     mean_log_ratio = _sequence_mean_log_ratio(logp, old_logp, mask).detach()  # [B, 1]
-    own = masked_fill_zero(logp, mask)
+    own = masked_fill_zero(logp.to(mean_log_ratio.dtype), mask)
     log_weight = mean_log_ratio + own - own.detach()  # [B, T]
     return _exp(log_weight, mask, cfg)
 

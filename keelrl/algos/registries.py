@@ -15,11 +15,13 @@ from typing import Callable
 
 from keelrl.algos.registry import Registry
 
-ADVANTAGES: Registry[Callable] = Registry("advantage estimator")
-RATIOS: Registry[Callable] = Registry("importance ratio")
-POLICY_LOSSES: Registry[Callable] = Registry("policy loss (clip rule)")
-AGGREGATIONS: Registry[Callable] = Registry("loss aggregation")
-KL_ESTIMATORS: Registry[Callable] = Registry("KL estimator")
+ADVANTAGES: Registry[Callable] = Registry(
+    "advantage estimator", ("token_rewards", "mask", "group_ids", "values", "turn_ids", "cfg"))
+RATIOS: Registry[Callable] = Registry("importance ratio", ("logp", "old_logp", "mask", "cfg"))
+POLICY_LOSSES: Registry[Callable] = Registry(
+    "policy loss (clip rule)", ("logp", "old_logp", "advantages", "mask", "cfg"))
+AGGREGATIONS: Registry[Callable] = Registry("loss aggregation", ("per_token", "mask", "cfg"))
+KL_ESTIMATORS: Registry[Callable] = Registry("KL estimator", ("logp", "ref_logp"))
 
 ALL = {
     "advantage": ADVANTAGES,

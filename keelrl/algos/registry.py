@@ -8,8 +8,9 @@ never typed out by hand in docs or error messages.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
-from typing import Callable, Generic, Iterator, TypeVar
+from typing import Callable, Generic, Iterator, Sequence, TypeVar
 
 from keelrl.errors import ConfigError
 
@@ -36,12 +37,14 @@ class Entry(Generic[F]):
 class Registry(Generic[F]):
     """A registry of one kind of component, all sharing one call signature.
 
-    Registering a name twice raises at import time. Looking up an unknown name raises
-    `UnknownNameError` naming the kind, the bad name and every valid name.
+    Registering a name twice, or a function whose parameters are not `params`, raises at
+    import time. Looking up an unknown name raises `UnknownNameError` naming the kind, the bad
+    name and every valid name.
     """
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, params: Sequence[str] | None = None) -> None:
         self.kind = kind
+        self.params = tuple(params) if params is not None else None
         self._entries: dict[str, Entry[F]] = {}
 
     def register(self, name: str, *, summary: str, tags: tuple[str, ...] = ()) -> Callable[[F], F]:
@@ -55,6 +58,11 @@ class Registry(Generic[F]):
                 raise ValueError(f"duplicate {self.kind} name {name!r}: already registered "
                                  f"by {self._entries[name].fn.__module__}."
                                  f"{self._entries[name].fn.__qualname__}")
+            if self.params is not None:
+                found = tuple(inspect.signature(fn).parameters)
+                if found != self.params:
+                    raise TypeError(f"{self.kind} {name!r} takes ({', '.join(found)}); every {self.kind} "
+                                    f"must take ({', '.join(self.params)})")
             self._entries[name] = Entry(name=name, fn=fn, summary=summary, tags=frozenset(tags))
             return fn
 
