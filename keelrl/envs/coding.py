@@ -1,0 +1,208 @@
+"""The coding bug-fix environment of the running example.
+
+Each episode gets its own working directory holding the task's files in a git repository
+whose only commit is the buggy base (no history contains the fix). The agent acts through
+tools (see `keelrl.envs.tools` for the call format):
+
+    read [PATH]                 the file with line numbers (default: the file to fix)
+    replace LINE [PATH] + body  replace line LINE with the body's lines (empty body deletes it)
+    edit [PATH] + OLD >>> NEW   replace the unique occurrence of OLD with NEW
+    test                        run the visible tests in the sandbox: pass/fail per case with the failing value
+    submit                      end the episode
+
+Edits change the files on disk; `test` runs the working copy as it is (a tampered test file
+included); `grade()` runs the verifier's hidden checks on the working copy with the test file
+restored from the base commit. A malformed action, an unknown tool, a bad line number or an
+ambiguous edit produces an error observation and costs a turn.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from keelrl.envs.base import Grade
+from keelrl.envs.tasks import Task
+from keelrl.envs.tools import ActionError, ToolCall, ToolSpec, describe_tools, parse_action
+from keelrl.sandbox import Sandbox
+from keelrl.verifiers import DEFAULT_LIMITS, Verifier, make_verifier, run_visible_tests
+
+EDIT_SEPARATOR = ">>>"
+"""The line that separates OLD from NEW in an edit body."""
+
+CODING_TOOLS = {
+    "read": ToolSpec("read", "<call>read [PATH]</call>", "show a file with line numbers", 0, 1),
+    "replace": ToolSpec("replace", "<call>replace LINE [PATH]\\nNEW LINES</call>",
+                        "replace one line with the lines after the first (none: delete it)", 1, 2, body="optional"),
+    "edit": ToolSpec("edit", "<call>edit [PATH]\\nOLD\\n>>>\\nNEW</call>",
+                     "replace the one occurrence of OLD with NEW", 0, 1, body="required"),
+    "test": ToolSpec("test", "<call>test</call>", "run the visible tests"),
+    "submit": ToolSpec("submit", "<call>submit</call>", "finish; hidden checks grade the code"),
+}
+
+
+def _git(workdir: Path, *args: str) -> None:
+    subprocess.run(["git", "-c", "user.name=keelrl", "-c", "user.email=keelrl@localhost",
+                    "-c", "init.defaultBranch=main", "-c", "commit.gpgsign=false", *args],
+                   cwd=workdir, check=True, capture_output=True, timeout=30,
+                   env={"PATH": "/usr/local/bin:/usr/bin:/bin", "GIT_CONFIG_NOSYSTEM": "1", "HOME": str(workdir)})
+
+
+class CodingEnv:
+    """Fix a bug in a small repository with read/replace/edit/test/submit tools."""
+
+    def __init__(self, verifier: str | Verifier = "strong", *, sandbox: Sandbox | None = None,
+                 max_turns: int = 12, max_action_chars: int = 4000, use_git: bool = True) -> None:
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        self.sandbox = sandbox or Sandbox(DEFAULT_LIMITS)
+        self.verifier = make_verifier(verifier, self.sandbox) if isinstance(verifier, str) else verifier
+        self.max_turns = max_turns
+        self.max_action_chars = max_action_chars
+        self.use_git = use_git and shutil.which("git") is not None
+        self.task: Task | None = None
+        self.workdir: Path | None = None
+        self.turn = 0
+        self.done = False
+        self._grade: Grade | None = None
+
+    # -- protocol ------------------------------------------------------------------------
+    def reset(self, task: Task) -> str:
+        self.close()
+        self.task = task
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"keel-task-{_safe(task.id)}-"))
+        for path, text in task.files.items():
+            target = self.workdir / path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text)
+        if self.use_git:
+            _git(self.workdir, "init", "-q")
+            _git(self.workdir, "add", "-A")
+            _git(self.workdir, "commit", "-q", "-m", "base")
+        self.turn, self.done, self._grade = 0, False, None
+        files = ", ".join(sorted(task.files))
+        return (f"{task.prompt}\nThe function to fix is {task.entry_function} in {task.entry_file}. "
+                f"Files: {files}.\n{describe_tools(CODING_TOOLS)}")
+
+    def step(self, action_text: str) -> tuple[str, bool, dict]:
+        if self.task is None or self.workdir is None:
+            raise RuntimeError("call reset(task) before step()")
+        if self.done:
+            raise RuntimeError("the episode is over; call reset(task) to start another")
+        self.turn += 1
+        try:
+            call = parse_action(action_text, CODING_TOOLS, self.max_action_chars)
+            observation, done = self._dispatch(call)
+            info: dict[str, Any] = {"tool": call.name}
+        except ActionError as error:
+            observation, done, info = str(error), False, {"error": str(error).splitlines()[0]}
+        if not done and self.turn >= self.max_turns:
+            observation += f"\nturn limit ({self.max_turns}) reached; the episode ends."
+            done, info["termination"] = True, "max_turns"
+        elif done:
+            info["termination"] = "submitted"
+        self.done = done
+        return observation, done, info
+
+    def grade(self) -> Grade:
+        if self.task is None:
+            raise RuntimeError("call reset(task) before grade()")
+        if self._grade is None or not self.done:
+            self._grade = self.verifier.grade(self.task, self.current_files())
+        return self._grade
+
+    def close(self) -> None:
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None
+
+    def __del__(self) -> None:  # pragma: no cover - best-effort cleanup
+        self.close()
+
+    # -- tools ---------------------------------------------------------------------------
+    def current_files(self) -> dict[str, str]:
+        """The working copy, without .git."""
+        assert self.workdir is not None
+        files = {}
+        for path in sorted(self.workdir.rglob("*")):
+            relative = path.relative_to(self.workdir)
+            if path.is_file() and relative.parts[0] != ".git":
+                files[str(relative)] = path.read_text(errors="replace")
+        return files
+
+    def _path(self, args: tuple[str, ...], index: int) -> Path:
+        assert self.task is not None and self.workdir is not None
+        name = args[index] if len(args) > index else self.task.entry_file
+        target = (self.workdir / name).resolve()
+        if self.workdir.resolve() not in target.parents or ".git" in target.relative_to(self.workdir.resolve()).parts:
+            raise ActionError(f"error: {name!r} is outside the repository")
+        if not target.is_file():
+            raise ActionError(f"error: no file {name!r}; files: {', '.join(self.current_files())}")
+        return target
+
+    def _dispatch(self, call: ToolCall) -> tuple[str, bool]:
+        if call.name == "read":
+            return self._read(self._path(call.args, 0)), False
+        if call.name == "replace":
+            return self._replace(call), False
+        if call.name == "edit":
+            return self._edit(call), False
+        if call.name == "test":
+            return self._test(), False
+        return "submitted.", True
+
+    def _read(self, path: Path) -> str:
+        assert self.workdir is not None
+        lines = path.read_text().splitlines()
+        width = len(str(max(len(lines), 1)))
+        body = "\n".join(f"{number:>{width}}| {line}" for number, line in enumerate(lines, start=1))
+        return f"{path.relative_to(self.workdir)}\n{body}"
+
+    def _replace(self, call: ToolCall) -> str:
+        try:
+            line_number = int(call.args[0])
+        except ValueError:
+            raise ActionError(f"error: LINE must be a line number, got {call.args[0]!r}; "
+                              f"usage: {CODING_TOOLS['replace'].usage}") from None
+        path = self._path(call.args, 1)
+        lines = path.read_text().splitlines()
+        if not 1 <= line_number <= len(lines):
+            raise ActionError(f"error: line {line_number} is out of range; {path.name} has {len(lines)} lines")
+        new_lines = call.body.split("\n") if call.body else []
+        lines[line_number - 1:line_number] = new_lines
+        path.write_text("\n".join(lines) + "\n")
+        return self._read(path)
+
+    def _edit(self, call: ToolCall) -> str:
+        body_lines = call.body.split("\n")
+        if EDIT_SEPARATOR not in body_lines:
+            raise ActionError(f"error: separate OLD and NEW with a line holding only {EDIT_SEPARATOR}; "
+                              f"usage: {CODING_TOOLS['edit'].usage}")
+        split = body_lines.index(EDIT_SEPARATOR)
+        old, new = "\n".join(body_lines[:split]), "\n".join(body_lines[split + 1:])
+        if not old:
+            raise ActionError("error: OLD is empty; give the exact text to replace")
+        path = self._path(call.args, 0)
+        text = path.read_text()
+        count = text.count(old)
+        if count != 1:
+            raise ActionError(f"error: OLD occurs {count} times in {path.name}; it must occur exactly once")
+        path.write_text(text.replace(old, new, 1))
+        return self._read(path)
+
+    def _test(self) -> str:
+        assert self.task is not None
+        results, error = run_visible_tests(self.task, self.current_files(), self.sandbox)
+        if error:
+            return f"tests could not run: {error}"
+        failed = [result for result in results if not result["passed"]]
+        lines = [f"tests: {len(results) - len(failed)} passed, {len(failed)} failed"]
+        lines += [f"FAIL {result['name']}: {result['message']}" for result in failed]
+        return "\n".join(lines)
+
+
+def _safe(text: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in text)[:40]

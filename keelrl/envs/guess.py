@@ -1,0 +1,90 @@
+"""The number-guessing game: a fast environment for credit-assignment experiments.
+
+The agent guesses an integer in 1..n and hears "higher" or "lower" after each wrong guess.
+It earns reward 1 when it finds the number within the episode's turn limit, else 0. Runs in
+microseconds (no sandbox), so rollout and credit-assignment tests can use thousands of
+episodes. Action format: ``<call>guess 7</call>``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from keelrl.envs.base import CheckResult, Grade
+from keelrl.envs.tools import ActionError, ToolSpec, describe_tools, parse_action
+
+GUESS_TOOLS = {"guess": ToolSpec("guess", "<call>guess N</call>", "guess the number N", 1, 1)}
+
+
+@dataclass(frozen=True)
+class GuessTask:
+    """Find `secret` in 1..n."""
+
+    id: str
+    secret: int
+    n: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.secret <= self.n:
+            raise ValueError(f"guess task {self.id!r}: secret {self.secret} is not in 1..{self.n}")
+
+
+def guess_tasks(count: int, n: int = 16, seed: int = 0) -> list[GuessTask]:
+    """`count` tasks with secrets drawn uniformly from 1..n, deterministic in `seed`."""
+    rng = random.Random(seed)
+    return [GuessTask(id=f"guess-{n}-{index:05d}", secret=rng.randint(1, n), n=n) for index in range(count)]
+
+
+class GuessEnv:
+    """Guess the number within `max_turns` turns."""
+
+    def __init__(self, max_turns: int = 5) -> None:
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        self.max_turns = max_turns
+        self.task: GuessTask | None = None
+        self.guesses: list[int] = []
+        self.turns = 0
+        self.found = False
+        self.done = False
+
+    def reset(self, task: GuessTask) -> str:
+        self.task, self.guesses, self.turns, self.found, self.done = task, [], 0, False, False
+        return (f"I picked a number between 1 and {task.n}. Find it in at most {self.max_turns} guesses.\n"
+                + describe_tools(GUESS_TOOLS))
+
+    def step(self, action_text: str) -> tuple[str, bool, dict]:
+        if self.task is None:
+            raise RuntimeError("call reset(task) before step()")
+        if self.done:
+            raise RuntimeError("the episode is over; call reset(task) to start another")
+        try:
+            call = parse_action(action_text, GUESS_TOOLS, max_chars=200)
+            try:
+                guess = int(call.args[0])
+            except ValueError:
+                raise ActionError(f"error: N must be a whole number, got {call.args[0]!r}") from None
+            if not 1 <= guess <= self.task.n:
+                raise ActionError(f"error: {guess} is outside 1..{self.task.n}")
+        except ActionError as error:
+            observation, info = str(error), {"error": str(error).splitlines()[0]}
+        else:
+            self.guesses.append(guess)
+            info = {"tool": "guess"}
+            if guess == self.task.secret:
+                self.found = True
+                observation = f"correct! found in {len(self.guesses)} guesses."
+            else:
+                observation = "higher" if guess < self.task.secret else "lower"
+        self.turns += 1  # a malformed action costs a turn too
+        self.done = self.found or self.turns >= self.max_turns
+        if self.done:
+            info["termination"] = "submitted" if self.found else "max_turns"
+        return observation, self.done, info
+
+    def grade(self) -> Grade:
+        if self.task is None:
+            raise RuntimeError("call reset(task) before grade()")
+        detail = "" if self.found else f"not found in {len(self.guesses)} guesses (secret {self.task.secret})"
+        return Grade(reward=float(self.found), checks=(CheckResult("found", self.found, detail),), verifier="guess")

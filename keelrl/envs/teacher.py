@@ -1,0 +1,111 @@
+"""A scripted teacher for the coding tasks, behaving like the lecture's trajectory.
+
+For each episode it draws, from its own seeded RNG, whether it will succeed (probability
+`success_rate`) and whether it first makes the plausible mistake (probability
+`mistake_rate`, when the task ships a `wrong_fix`: for the running example, switching to
+`config.get("retries", 3)`, which fixes 0 but breaks None). Then it acts:
+
+    success, mistake:    read -> wrong fix -> test (a case fails) -> real fix -> test -> submit
+    success, no mistake: read -> real fix -> test -> submit
+    failure:             read -> wrong fix (or nothing, if the task has none) -> test -> submit
+
+Edits are computed from the difference between the current file and the target file: one
+`replace` when a single line changes, otherwise one `edit` of the changed block. The teacher
+supplies warm-start demonstrations and a predictable policy for rollout-loop tests.
+"""
+
+from __future__ import annotations
+
+import difflib
+import random
+from dataclasses import dataclass
+from typing import Sequence
+
+from keelrl.envs.base import Turn
+from keelrl.envs.tasks import Task
+
+
+def edit_action(path: str, current: str, target: str, *, default_path: str) -> str | None:
+    """One tool call turning `current` into `target` (None if they are equal)."""
+    old_lines, new_lines = current.splitlines(), target.splitlines()
+    if old_lines == new_lines:
+        return None
+    opcodes = [op for op in difflib.SequenceMatcher(a=old_lines, b=new_lines, autojunk=False).get_opcodes()
+               if op[0] != "equal"]
+    first_old, last_old = opcodes[0][1], opcodes[-1][2]
+    first_new, last_new = opcodes[0][3], opcodes[-1][4]
+    path_arg = "" if path == default_path else f" {path}"
+    replacement = "\n".join(new_lines[first_new:last_new])
+    if last_old - first_old == 1:
+        return f"<call>replace {first_old + 1}{path_arg}\n{replacement}</call>"
+    # A block (or a pure insertion): replace it with `edit`, widening it until it is unique.
+    start, end = first_old, last_old
+    if start == end:  # pure insertion: anchor it on a neighbouring line
+        start, end = (start - 1, end) if start > 0 else (start, min(end + 1, len(old_lines)))
+    while current.count("\n".join(old_lines[start:end])) != 1 and (start > 0 or end < len(old_lines)):
+        start, end = max(0, start - 1), min(len(old_lines), end + 1)
+    old_block = "\n".join(old_lines[start:end])
+    new_block = "\n".join(old_lines[start:first_old] + new_lines[first_new:last_new] + old_lines[last_old:end])
+    return f"<call>edit{path_arg}\n{old_block}\n>>>\n{new_block}</call>"
+
+
+@dataclass
+class TeacherPlan:
+    """What the teacher decided for one episode, and the actions that carry it out."""
+
+    succeed: bool
+    mistake: bool
+    actions: list[str]
+
+
+class ScriptedTeacher:
+    """A policy over `CodingEnv` with a configurable success rate (see the module docstring)."""
+
+    def __init__(self, success_rate: float = 0.8, mistake_rate: float = 0.5, seed: int = 0) -> None:
+        for name, value in (("success_rate", success_rate), ("mistake_rate", mistake_rate)):
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value}")
+        self.success_rate = success_rate
+        self.mistake_rate = mistake_rate
+        self.rng = random.Random(seed)
+
+    def plan(self, task: Task) -> TeacherPlan:
+        """Decide success and mistake for one episode and script its actions."""
+        succeed = self.rng.random() < self.success_rate
+        has_mistake = bool(task.wrong_fix)
+        mistake = has_mistake and (not succeed or self.rng.random() < self.mistake_rate)
+        files = dict(task.files)
+        actions = ["<call>read</call>"]
+
+        def move_to(target_files: dict[str, str]) -> None:
+            for path in sorted(target_files):
+                action = edit_action(path, files.get(path, ""), target_files[path], default_path=task.entry_file)
+                if action is not None:
+                    actions.append(action)
+                    files[path] = target_files[path]
+
+        if mistake:
+            move_to(task.wrong_fix)
+            actions.append("<call>test</call>")
+        if succeed:
+            move_to(task.reference_fix)
+            actions.append("<call>test</call>")
+        elif not mistake:
+            actions.append("<call>test</call>")
+        actions.append("<call>submit</call>")
+        return TeacherPlan(succeed=succeed, mistake=mistake, actions=actions)
+
+    def policy(self, task: Task) -> "ScriptedPolicy":
+        """A `Policy` callable for one episode of `task`."""
+        return ScriptedPolicy(self.plan(task))
+
+
+class ScriptedPolicy:
+    """Replays a TeacherPlan; after the script ends it keeps submitting."""
+
+    def __init__(self, plan: TeacherPlan) -> None:
+        self.plan = plan
+
+    def __call__(self, prompt: str, turns: Sequence[Turn]) -> str:
+        index = len(turns)
+        return self.plan.actions[index] if index < len(self.plan.actions) else "<call>submit</call>"
