@@ -1,4 +1,4 @@
-"""The `keel` command line: `keel algos`, `keel config` (more verbs arrive with the trainer)."""
+"""The `keel` command line: `keel algos`, `keel config`, `keel tasks` (more arrive with the trainer)."""
 
 from __future__ import annotations
 
@@ -66,6 +66,49 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_task_source(source: str, split: str, seed: int) -> list:
+    from keelrl.envs.coding_tasks import bundled_tasks
+    from keelrl.envs.tasks import load_tasks, split_of
+
+    if source == "bundled":
+        return bundled_tasks(None if split == "all" else split, seed=seed)
+    tasks = load_tasks(source)
+    return tasks if split == "all" else [task for task in tasks if split_of(task.id, seed) == split]
+
+
+def _cmd_tasks(args: argparse.Namespace) -> int:
+    from keelrl.envs.tasks import TaskError, save_tasks
+
+    try:
+        tasks = _load_task_source(args.source, args.split, args.seed)
+    except (TaskError, OSError) as error:
+        print(f"keel: {error}", file=sys.stderr)
+        return 2
+    if args.action == "export":
+        if args.out:
+            count = save_tasks(tasks, args.out)
+            print(f"wrote {count} tasks to {args.out}", file=sys.stderr)
+        else:
+            for task in tasks:
+                sys.stdout.write(task.to_json() + "\n")
+        return 0
+    from rich.progress import Progress
+
+    from keelrl.sandbox import isolation_report
+    from keelrl.verifiers import check_tasks
+
+    print(f"{len(tasks)} tasks: schema valid; checking behaviour in the sandbox "
+          f"({', '.join(isolation_report().mechanisms())})", file=sys.stderr)
+    with Progress(transient=True, console=Console(stderr=True)) as progress:
+        bar = progress.add_task("validating", total=len(tasks))
+        problems = check_tasks(tasks, workers=args.workers,
+                               progress=lambda done: progress.update(bar, completed=done))
+    for line in problems:
+        print(line)
+    print(f"{len(tasks)} tasks, {len(problems)} problems", file=sys.stderr)
+    return 1 if problems else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="keel", description="keelrl: RL for LLM agents.")
     parser.add_argument("--version", action="version", version=f"keelrl {__version__}")
@@ -82,6 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     config.add_argument("--explain", action="store_true", help="list every field with its help")
     config.set_defaults(func=_cmd_config)
+
+    tasks = sub.add_parser("tasks", help="export or validate coding tasks (JSONL, one task a line)")
+    tasks.add_argument("action", choices=("export", "validate"))
+    tasks.add_argument("source", nargs="?", default="bundled", help="a tasks .jsonl file, or 'bundled'")
+    tasks.add_argument("--split", choices=("all", "train", "heldout"), default="all")
+    tasks.add_argument("--seed", type=int, default=0, help="split seed")
+    tasks.add_argument("--out", help="export: write here instead of stdout")
+    tasks.add_argument("--workers", type=int, default=2, help="validate: parallel sandbox runs")
+    tasks.set_defaults(func=_cmd_tasks)
     return parser
 
 

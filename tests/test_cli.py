@@ -83,3 +83,24 @@ def test_config_file_path_containing_equals_is_a_file_not_an_override(tmp_path, 
     (run_dir / "config.yaml").write_text("algo:\n  preset: cispo\n")
     assert main(["config", str(run_dir / "config.yaml")]) == 0
     assert "clip: cispo" in capsys.readouterr().out
+
+
+def test_keel_tasks_export_and_validate(tmp_path):
+    out = tmp_path / "heldout.jsonl"
+    exported = keel("tasks", "export", "--split", "heldout", "--out", str(out))
+    assert exported.returncode == 0, exported.stderr
+    lines = out.read_text().splitlines()
+    assert len(lines) >= 100 and f"wrote {len(lines)} tasks" in exported.stderr
+    sample = tmp_path / "sample.jsonl"
+    sample.write_text("\n".join(lines[:3]) + "\n")
+    ok = keel("tasks", "validate", str(sample))
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "3 tasks, 0 problems" in ok.stderr
+    broken = json.loads(lines[0])
+    broken["reference_fix"] = {broken["entry_file"]: broken["files"][broken["entry_file"]]}  # "fix" = the bug
+    (tmp_path / "broken.jsonl").write_text(json.dumps(broken) + "\n")
+    bad = keel("tasks", "validate", str(tmp_path / "broken.jsonl"))
+    assert bad.returncode == 1 and "the reference fix fails" in bad.stdout
+    (tmp_path / "malformed.jsonl").write_text('{"id": "x"}\n')
+    malformed = keel("tasks", "validate", str(tmp_path / "malformed.jsonl"))
+    assert malformed.returncode == 2 and "missing fields" in malformed.stderr

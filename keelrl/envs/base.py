@@ -11,7 +11,8 @@ An environment is any object with:
 observation that says what was wrong and what is accepted (info["error"] is set), so a
 policy's mistake is a training signal, not a crash. `grade` never returns a default reward
 on failure: a check that cannot run is a failed check with the reason, and a verifier that
-cannot work at all raises `VerifierError`.
+cannot work at all raises `VerifierError`. An environment that ends the episode at its own
+turn limit says so with info["termination"] = "max_turns" on that last step.
 
 `run_episode` drives one episode with any policy callable (scripted or a model); the token-
 level rollout engine uses the same protocol. `check_env` validates a user's environment.
@@ -97,7 +98,7 @@ class Episode:
     turns: list[Turn]
     grade: Grade
     termination: str
-    """submitted (the env said done) | max_turns."""
+    """submitted (the env said done) | max_turns (the turn limit ended it, the library's or the env's)."""
     seconds: float
 
 
@@ -117,7 +118,8 @@ def run_episode(env: Env, task: Any, policy: Policy) -> Episode:
         observation, done, info = env.step(action)
         turns.append(Turn(action, observation, info, time.monotonic() - step_started))
         if done:
-            termination = "submitted"
+            # An env that stops at its own turn limit says so; that is not a submission.
+            termination = "max_turns" if info.get("termination") == "max_turns" else "submitted"
             break
     return Episode(task_id=str(getattr(task, "id", task)), prompt=prompt, turns=turns, grade=env.grade(),
                    termination=termination, seconds=time.monotonic() - started)
@@ -132,9 +134,10 @@ def check_env(env: Any, task: Any, good_actions: Sequence[str] = (),
     """Validate `env` against the protocol on `task`, raising EnvCheckError with all problems.
 
     Checks: the methods and max_turns exist; reset returns text; each bad action yields an
-    error observation (a non-empty str, done False, info["error"] set) instead of raising;
-    `good_actions` run without errors; grade returns a Grade whose reward is a finite number
-    and whose checks are CheckResults; reset starts a fresh episode.
+    error observation (a non-empty str, done False unless it was the episode's last allowed
+    turn, info["error"] set) instead of raising; `good_actions`, from a fresh reset, run
+    without errors; grade returns a Grade whose reward is a finite number and whose checks are
+    CheckResults; reset starts a fresh episode (the whole check runs twice).
     """
     problems: list[str] = []
     for name in ("reset", "step", "grade"):
@@ -145,10 +148,19 @@ def check_env(env: Any, task: Any, good_actions: Sequence[str] = (),
     if problems:
         raise EnvCheckError("; ".join(problems))
     for attempt in range(2):  # twice: reset must start a fresh episode
-        first = env.reset(task)
+        try:
+            first = env.reset(task)
+        except Exception as error:  # noqa: BLE001 - reporting is the point
+            problems.append(f"reset() raised {error!r}")
+            break
         if not isinstance(first, str) or not first:
             problems.append(f"reset() returned {type(first).__name__}, expected a non-empty str")
+        steps = 0  # since the last reset: a bad action may end the episode only at the turn limit
         for action in bad_actions:
+            if steps >= env.max_turns:
+                env.reset(task)
+                steps = 0
+            steps += 1
             try:
                 observation, done, info = env.step(action)
             except Exception as error:  # noqa: BLE001 - reporting is the point
@@ -156,10 +168,14 @@ def check_env(env: Any, task: Any, good_actions: Sequence[str] = (),
                 continue
             if not isinstance(observation, str) or not observation:
                 problems.append(f"step({action!r}) observation is not a non-empty str")
-            if done:
+            if done and steps < env.max_turns:
                 problems.append(f"step({action!r}) ended the episode; a malformed action must not")
             if not isinstance(info, dict) or not info.get("error"):
                 problems.append(f"step({action!r}) did not set info['error']")
+            if done:
+                steps = env.max_turns  # reset before the next action
+        if bad_actions and good_actions:
+            env.reset(task)  # the good actions get a fresh episode and the whole turn budget
         for action in good_actions:
             try:
                 observation, done, info = env.step(action)
@@ -170,7 +186,11 @@ def check_env(env: Any, task: Any, good_actions: Sequence[str] = (),
                 problems.append(f"step({action!r}) was rejected: {observation[:200]}")
             if done:
                 break
-        grade = env.grade()
+        try:
+            grade = env.grade()
+        except Exception as error:  # noqa: BLE001
+            problems.append(f"grade() raised {error!r}")
+            break
         if not isinstance(grade, Grade):
             problems.append(f"grade() returned {type(grade).__name__}, expected Grade")
         elif not (isinstance(grade.reward, (int, float)) and grade.reward == grade.reward

@@ -14,6 +14,10 @@ Edits change the files on disk; `test` runs the working copy as it is (a tampere
 included); `grade()` runs the verifier's hidden checks on the working copy with the test file
 restored from the base commit. A malformed action, an unknown tool, a bad line number or an
 ambiguous edit produces an error observation and costs a turn.
+
+Lines are split at newlines only (not `str.splitlines`, which also breaks at form feeds and
+Unicode separators that Python source may hold inside strings), so `replace` changes exactly
+one line and the line numbers `read` shows are the ones `replace` uses. Files are UTF-8.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +47,20 @@ CODING_TOOLS = {
     "test": ToolSpec("test", "<call>test</call>", "run the visible tests"),
     "submit": ToolSpec("submit", "<call>submit</call>", "finish; hidden checks grade the code"),
 }
+
+
+def split_lines(text: str) -> list[str]:
+    r"""The lines of `text`, split on "\n" only; a final newline ends the last line."""
+    lines = text.split("\n")
+    return lines[:-1] if lines[-1] == "" else lines
+
+
+def count_occurrences(text: str, old: str) -> int:
+    r"""How many times `old` occurs in `text`, overlapping ones included ("a\na" is twice in "a\na\na")."""
+    count, start = 0, text.find(old)
+    while start >= 0:
+        count, start = count + 1, text.find(old, start + 1)
+    return count
 
 
 def _git(workdir: Path, *args: str) -> None:
@@ -68,16 +87,20 @@ class CodingEnv:
         self.turn = 0
         self.done = False
         self._grade: Grade | None = None
+        self._cleanup: weakref.finalize | None = None
 
     # -- protocol ------------------------------------------------------------------------
     def reset(self, task: Task) -> str:
         self.close()
         self.task = task
         self.workdir = Path(tempfile.mkdtemp(prefix=f"keel-task-{_safe(task.id)}-"))
+        # Removed by close(), when the env is garbage-collected, or at interpreter exit
+        # (a __del__ can run after shutil is torn down).
+        self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.workdir), ignore_errors=True)
         for path, text in task.files.items():
             target = self.workdir / path
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(text)
+            target.write_text(text, encoding="utf-8")
         if self.use_git:
             _git(self.workdir, "init", "-q")
             _git(self.workdir, "add", "-A")
@@ -110,17 +133,19 @@ class CodingEnv:
     def grade(self) -> Grade:
         if self.task is None:
             raise RuntimeError("call reset(task) before grade()")
-        if self._grade is None or not self.done:
-            self._grade = self.verifier.grade(self.task, self.current_files())
-        return self._grade
+        if self.done and self._grade is not None:  # a finished episode is graded once
+            return self._grade
+        grade = self.verifier.grade(self.task, self.current_files())
+        if self.done:  # mid-episode grades are not kept: later edits would make them stale
+            self._grade = grade
+        return grade
 
     def close(self) -> None:
-        if self.workdir is not None:
-            shutil.rmtree(self.workdir, ignore_errors=True)
-            self.workdir = None
-
-    def __del__(self) -> None:  # pragma: no cover - best-effort cleanup
-        self.close()
+        """Remove the episode's working directory (reset calls it; so does garbage collection)."""
+        if self._cleanup is not None:
+            self._cleanup()
+            self._cleanup = None
+        self.workdir = None
 
     # -- tools ---------------------------------------------------------------------------
     def current_files(self) -> dict[str, str]:
@@ -130,18 +155,22 @@ class CodingEnv:
         for path in sorted(self.workdir.rglob("*")):
             relative = path.relative_to(self.workdir)
             if path.is_file() and relative.parts[0] != ".git":
-                files[str(relative)] = path.read_text(errors="replace")
+                files[str(relative)] = path.read_text(encoding="utf-8", errors="replace")
         return files
 
     def _path(self, args: tuple[str, ...], index: int) -> Path:
         assert self.task is not None and self.workdir is not None
         name = args[index] if len(args) > index else self.task.entry_file
-        target = (self.workdir / name).resolve()
-        if self.workdir.resolve() not in target.parents or ".git" in target.relative_to(self.workdir.resolve()).parts:
-            raise ActionError(f"error: {name!r} is outside the repository")
-        if not target.is_file():
-            raise ActionError(f"error: no file {name!r}; files: {', '.join(self.current_files())}")
-        return target
+        root, target = self.workdir.resolve(), (self.workdir / name).resolve()
+        if root not in target.parents:
+            problem = "is outside the repository"
+        elif ".git" in target.relative_to(root).parts:
+            problem = "is git metadata, not a file of the task"
+        elif not target.is_file():
+            problem = "is not a file of the task"
+        else:
+            return target
+        raise ActionError(f"error: {name!r} {problem}; files: {', '.join(self.current_files())}")
 
     def _dispatch(self, call: ToolCall) -> tuple[str, bool]:
         if call.name == "read":
@@ -156,7 +185,7 @@ class CodingEnv:
 
     def _read(self, path: Path) -> str:
         assert self.workdir is not None
-        lines = path.read_text().splitlines()
+        lines = split_lines(path.read_text(encoding="utf-8"))
         width = len(str(max(len(lines), 1)))
         body = "\n".join(f"{number:>{width}}| {line}" for number, line in enumerate(lines, start=1))
         return f"{path.relative_to(self.workdir)}\n{body}"
@@ -168,12 +197,12 @@ class CodingEnv:
             raise ActionError(f"error: LINE must be a line number, got {call.args[0]!r}; "
                               f"usage: {CODING_TOOLS['replace'].usage}") from None
         path = self._path(call.args, 1)
-        lines = path.read_text().splitlines()
+        lines = split_lines(path.read_text(encoding="utf-8"))
         if not 1 <= line_number <= len(lines):
             raise ActionError(f"error: line {line_number} is out of range; {path.name} has {len(lines)} lines")
         new_lines = call.body.split("\n") if call.body else []
         lines[line_number - 1:line_number] = new_lines
-        path.write_text("\n".join(lines) + "\n")
+        _write(path, "\n".join(lines) + "\n")
         return self._read(path)
 
     def _edit(self, call: ToolCall) -> str:
@@ -186,11 +215,12 @@ class CodingEnv:
         if not old:
             raise ActionError("error: OLD is empty; give the exact text to replace")
         path = self._path(call.args, 0)
-        text = path.read_text()
-        count = text.count(old)
+        text = path.read_text(encoding="utf-8")
+        count = count_occurrences(text, old)
         if count != 1:
-            raise ActionError(f"error: OLD occurs {count} times in {path.name}; it must occur exactly once")
-        path.write_text(text.replace(old, new, 1))
+            raise ActionError(f"error: OLD occurs {count} times in {path.name}; it must occur exactly once "
+                              f"(add neighbouring lines to make it unique)")
+        _write(path, text.replace(old, new, 1))
         return self._read(path)
 
     def _test(self) -> str:
@@ -202,6 +232,14 @@ class CodingEnv:
         lines = [f"tests: {len(results) - len(failed)} passed, {len(failed)} failed"]
         lines += [f"FAIL {result['name']}: {result['message']}" for result in failed]
         return "\n".join(lines)
+
+
+def _write(path: Path, text: str) -> None:
+    try:
+        data = text.encode("utf-8")
+    except UnicodeEncodeError as error:  # a lone surrogate in the action: the policy's mistake
+        raise ActionError(f"error: the new text is not valid Unicode ({error.reason}); files are UTF-8") from None
+    path.write_bytes(data)
 
 
 def _safe(text: str) -> str:

@@ -22,12 +22,21 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from keelrl.envs.base import Turn
+from keelrl.envs.coding import count_occurrences, split_lines
 from keelrl.envs.tasks import Task
 
 
 def edit_action(path: str, current: str, target: str, *, default_path: str) -> str | None:
-    """One tool call turning `current` into `target` (None if they are equal)."""
-    old_lines, new_lines = current.splitlines(), target.splitlines()
+    """One tool call turning `current` into `target` (None if they are equal).
+
+    Lines are compared as `CodingEnv` splits them. A single changed line becomes `replace`,
+    unless its new text is one empty line (an empty `replace` body deletes the line).
+    Anything else becomes `edit` of the changed block. `edit` swaps text, not lines, so the
+    block is widened by a neighbouring line when OLD or NEW would otherwise be empty (an
+    empty NEW would leave a blank line behind), then until OLD occurs exactly once.
+    `current` must hold a non-blank line (a file of blank lines has no unique block).
+    """
+    old_lines, new_lines = split_lines(current), split_lines(target)
     if old_lines == new_lines:
         return None
     opcodes = [op for op in difflib.SequenceMatcher(a=old_lines, b=new_lines, autojunk=False).get_opcodes()
@@ -35,18 +44,17 @@ def edit_action(path: str, current: str, target: str, *, default_path: str) -> s
     first_old, last_old = opcodes[0][1], opcodes[-1][2]
     first_new, last_new = opcodes[0][3], opcodes[-1][4]
     path_arg = "" if path == default_path else f" {path}"
-    replacement = "\n".join(new_lines[first_new:last_new])
-    if last_old - first_old == 1:
-        return f"<call>replace {first_old + 1}{path_arg}\n{replacement}</call>"
-    # A block (or a pure insertion): replace it with `edit`, widening it until it is unique.
+    changed = new_lines[first_new:last_new]
+    if last_old - first_old == 1 and changed != [""]:
+        return f"<call>replace {first_old + 1}{path_arg}\n" + "\n".join(changed) + "\n</call>"
     start, end = first_old, last_old
-    if start == end:  # pure insertion: anchor it on a neighbouring line
+    if start == end or not changed:  # anchor on a neighbouring line
         start, end = (start - 1, end) if start > 0 else (start, min(end + 1, len(old_lines)))
-    while current.count("\n".join(old_lines[start:end])) != 1 and (start > 0 or end < len(old_lines)):
+    while count_occurrences(current, "\n".join(old_lines[start:end])) != 1 and (start > 0 or end < len(old_lines)):
         start, end = max(0, start - 1), min(len(old_lines), end + 1)
     old_block = "\n".join(old_lines[start:end])
-    new_block = "\n".join(old_lines[start:first_old] + new_lines[first_new:last_new] + old_lines[last_old:end])
-    return f"<call>edit{path_arg}\n{old_block}\n>>>\n{new_block}</call>"
+    new_block = "\n".join(old_lines[start:first_old] + changed + old_lines[last_old:end])
+    return f"<call>edit{path_arg}\n{old_block}\n>>>\n{new_block}\n</call>"
 
 
 @dataclass

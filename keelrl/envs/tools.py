@@ -9,7 +9,8 @@ The first line inside the tags is the tool's name followed by its arguments on t
 (split on whitespace); everything after the first newline, up to </call>, is the body (it
 may span lines, e.g. replacement code). Text before <call> is allowed and ignored (the
 policy's reasoning); text after </call> is ignored too, since generation stops at </call>
-(`STOP` is the stop string for samplers). Examples:
+(`STOP` is the stop string for samplers). One newline right before </call> ends the body's
+last line rather than adding an empty one. Examples:
 
     <call>read</call>
     <call>replace 2
@@ -75,6 +76,8 @@ def parse_action(text: str, tools: Mapping[str, ToolSpec], max_chars: int = 4000
     if OPEN in inner or text.find(OPEN, end) >= 0:
         raise ActionError("error: more than one tool call; make exactly one per turn.\n" + describe_tools(tools))
     head, _, body = inner.partition("\n")
+    if body.endswith("\n"):  # "...last line\n</call>": the newline ends the line, it adds none
+        body = body[:-1]
     words = head.split()
     if not words:
         raise ActionError(f"error: empty tool call; name a tool.\n" + describe_tools(tools))

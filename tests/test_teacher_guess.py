@@ -1,0 +1,268 @@
+"""The scripted teacher (plans, their statistics, and running them in CodingEnv), edit_action,
+and the number-guessing environment."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from keelrl.envs.base import CheckResult, run_episode
+from keelrl.envs.coding import CodingEnv
+from keelrl.envs.guess import GuessEnv, GuessTask, guess_tasks
+from keelrl.envs.teacher import ScriptedTeacher, edit_action
+from task_fixtures import BUGGY, FIXED, WRONG, retry_task
+
+READ, TEST, SUBMIT = "<call>read</call>", "<call>test</call>", "<call>submit</call>"
+TO_WRONG = '<call>replace 2\n    return config.get("retries", 3)\n</call>'
+TO_FIXED = ('<call>replace 2\n    value = config.get("retries")\n    if value is None:\n'
+            '        return 3\n    return value\n</call>')
+
+
+# -- ScriptedTeacher: plans -------------------------------------------------------------------
+
+def _within_4_sigma(successes: int, trials: int, rate: float) -> bool:
+    sigma = math.sqrt(rate * (1 - rate) / trials)
+    return abs(successes / trials - rate) <= 4 * sigma
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_planned_success_and_mistake_rates_match_the_configured_ones(seed):
+    teacher, task = ScriptedTeacher(success_rate=0.7, mistake_rate=0.4, seed=seed), retry_task()
+    plans = [teacher.plan(task) for _ in range(200)]
+    successes = [plan for plan in plans if plan.succeed]
+    # 200 trials at 0.7: sigma = sqrt(0.7 * 0.3 / 200) = 0.032, so the band is 0.57..0.83.
+    assert _within_4_sigma(len(successes), 200, 0.7)
+    # Among successes, a mistake first with probability 0.4 (~140 trials: band 0.23..0.57).
+    assert _within_4_sigma(sum(plan.mistake for plan in successes), len(successes), 0.4)
+    # A failing episode is the plausible wrong fix, always (the task has one).
+    assert all(plan.mistake for plan in plans if not plan.succeed)
+
+
+def test_each_kind_of_plan_follows_the_lectures_script():
+    teacher, task = ScriptedTeacher(success_rate=0.5, mistake_rate=0.5, seed=0), retry_task()
+    scripts = {(plan.succeed, plan.mistake): plan.actions for plan in (teacher.plan(task) for _ in range(40))}
+    assert scripts == {
+        (True, True): [READ, TO_WRONG, TEST, TO_FIXED, TEST, SUBMIT],
+        (True, False): [READ, TO_FIXED, TEST, SUBMIT],
+        (False, True): [READ, TO_WRONG, TEST, SUBMIT],
+    }
+
+
+def test_without_a_wrong_fix_a_failing_plan_tests_the_buggy_code_and_submits():
+    task = dataclasses.replace(retry_task(), wrong_fix={})
+    plans = [ScriptedTeacher(success_rate=0.0, mistake_rate=1.0, seed=seed).plan(task) for seed in range(5)]
+    assert all(not plan.succeed and not plan.mistake and plan.actions == [READ, TEST, SUBMIT] for plan in plans)
+
+
+@pytest.mark.parametrize("rate, expected", [(0.0, False), (1.0, True)])
+def test_success_rate_zero_never_succeeds_and_one_always_does(rate, expected):
+    teacher = ScriptedTeacher(success_rate=rate, mistake_rate=0.5, seed=7)
+    assert {teacher.plan(retry_task()).succeed for _ in range(300)} == {expected}
+
+
+@pytest.mark.parametrize("mistake_rate, expected", [(0.0, {False}), (1.0, {True})])
+def test_mistake_rate_zero_and_one_among_successes(mistake_rate, expected):
+    teacher = ScriptedTeacher(success_rate=1.0, mistake_rate=mistake_rate, seed=3)
+    assert {teacher.plan(retry_task()).mistake for _ in range(100)} == expected
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"success_rate": -0.1}, "success_rate"), ({"success_rate": 1.5}, "success_rate"),
+    ({"success_rate": math.nan}, "success_rate"), ({"mistake_rate": -1e-9}, "mistake_rate"),
+    ({"mistake_rate": 2.0}, "mistake_rate"), ({"mistake_rate": math.nan}, "mistake_rate"),
+])
+def test_invalid_rates_raise_naming_the_field(kwargs, name):
+    with pytest.raises(ValueError, match=f"{name} must be in \\[0, 1\\]"):
+        ScriptedTeacher(**kwargs)
+
+
+def test_plans_are_deterministic_per_seed():
+    def plans(seed: int) -> list[tuple[bool, bool, list[str]]]:
+        teacher = ScriptedTeacher(success_rate=0.6, mistake_rate=0.5, seed=seed)
+        return [(p.succeed, p.mistake, p.actions) for p in (teacher.plan(retry_task()) for _ in range(30))]
+
+    assert plans(11) == plans(11)
+    assert plans(11) != plans(12)
+
+
+# -- ScriptedTeacher: running the plans -------------------------------------------------------
+
+def test_running_plans_in_coding_env_succeeds_exactly_when_planned():
+    task, env = retry_task(), CodingEnv(use_git=False)
+    kinds = set()
+    for seed in (0, 1, 2):
+        teacher = ScriptedTeacher(success_rate=0.5, mistake_rate=0.5, seed=seed)
+        for _ in range(4):
+            policy = teacher.policy(task)
+            plan = policy.plan
+            kinds.add((plan.succeed, plan.mistake))
+            episode = run_episode(env, task, policy)
+            assert episode.grade.success == plan.succeed, (seed, plan, episode.grade.summary())
+            assert episode.termination == "submitted"
+            assert [turn.action for turn in episode.turns] == plan.actions
+            assert not any("error" in turn.info for turn in episode.turns)
+            tests = [turn.observation for turn in episode.turns if turn.action == TEST]
+            if plan.mistake:  # the wrong fix's failing case is seen before anything else
+                assert tests[0] == ("tests: 3 passed, 1 failed\n"
+                                    "FAIL test_none: retry_count({'retries': None}): expected 3, got None")
+            if plan.succeed:
+                assert tests[-1] == "tests: 4 passed, 0 failed"
+                assert env.current_files()["retry.py"] == FIXED
+            else:
+                assert tests[-1] != "tests: 4 passed, 0 failed"
+    assert kinds == {(True, True), (True, False), (False, True)}  # the seeds cover every script
+
+
+def test_the_scripted_policy_keeps_submitting_after_its_script():
+    policy = ScriptedTeacher(success_rate=1.0, mistake_rate=0.0).policy(retry_task())
+    assert [policy("prompt", [None] * index) for index in range(3, 7)] == [SUBMIT] * 4
+
+
+# -- edit_action ------------------------------------------------------------------------------
+
+def test_edit_action_replaces_a_single_changed_line():
+    assert edit_action("retry.py", BUGGY, WRONG, default_path="retry.py") == TO_WRONG
+    assert edit_action("retry.py", WRONG, FIXED, default_path="retry.py") == TO_FIXED
+    assert (edit_action("lib/retry.py", BUGGY, WRONG, default_path="retry.py")
+            == TO_WRONG.replace("replace 2", "replace 2 lib/retry.py"))
+    assert edit_action("retry.py", BUGGY, BUGGY, default_path="retry.py") is None
+    assert edit_action("retry.py", BUGGY, BUGGY.rstrip("\n"), default_path="retry.py") is None
+
+
+def _apply(env: CodingEnv, path: str, current: str, target: str) -> str | None:
+    """Run edit_action's action in a CodingEnv whose `path` holds `current`; return the action."""
+    files = {"retry.py": "x = 0\n", "test_retry.py": "y = 0\n", path: current}
+    env.reset(dataclasses.replace(retry_task(), files=files))
+    action = edit_action(path, current, target, default_path="retry.py")
+    if action is not None:
+        observation, _, info = env.step(action)
+        assert "error" not in info, (action, observation)
+    assert (env.workdir / path).read_text() == (target if action is not None else current)
+    return action
+
+
+@pytest.mark.parametrize("current, target, tool", [
+    ("a\nb\nc\nd\n", "a\nB\nC\nd\n", "edit"),  # a two-line block
+    ("a\nb\n", "a\nnew\nb\n", "edit"),  # a pure insertion, anchored on a neighbour
+    ("a\nb\n", "first\na\nb\n", "edit"),  # an insertion before the first line
+    ("a\nb\n", "a\nb\nlast\n", "edit"),  # after the last
+    ("x\na\nx\na\nc\n", "x\na\nX\nY\nc\n", "edit"),  # the block "x\na" occurs twice: widened
+    ("a\na\na\n", "a\nb\nc\n", "edit"),  # "a\na" occurs twice (overlapping): widened to the whole file
+    ("a\nb\nc\nd\n", "a\nd\n", "edit"),  # a multi-line deletion must not leave a blank line
+    ("a\nb\nc\n", "a\n\nc\n", "edit"),  # a line emptied (an empty replace body would delete it)
+    ("a\nb\nc\n", "a\nc\n", "replace"),  # one line deleted
+    ("a\nb\nc\n", "a\nb1\nb2\nc\n", "replace"),  # one line becomes two
+    ("ab\nc\nb\nc\n", "ab\nc\nB\nC\n", "edit"),  # "b\nc" also matches across "ab\nc"
+])
+def test_edit_action_applied_in_coding_env_yields_exactly_the_target(current, target, tool):
+    action = _apply(CodingEnv(use_git=False), "retry.py", current, target)
+    assert action is not None and action.startswith(f"<call>{tool}")
+
+
+_ENV = CodingEnv(use_git=False, max_turns=1000)  # reset per example: one env for all of them
+_LINES = st.sampled_from(["a", "b", "", "    a", "x = 1", "aa", "a\x0cb"])
+
+
+@settings(max_examples=150)
+@given(current=st.lists(_LINES, min_size=1, max_size=6).filter(lambda lines: any(line.strip() for line in lines)),
+       target=st.lists(_LINES, min_size=1, max_size=6),
+       other_file=st.booleans())
+def test_edit_action_reaches_any_target_from_any_current_file(current, target, other_file):
+    # current needs a non-blank line: a file of blank lines has no unique block to anchor on.
+    path = "test_retry.py" if other_file else "retry.py"
+    _apply(_ENV, path, "\n".join(current) + "\n", "\n".join(target) + "\n")
+
+
+# -- GuessEnv ---------------------------------------------------------------------------------
+
+def test_guess_tasks_are_deterministic_by_seed_and_in_range():
+    assert guess_tasks(50, n=16, seed=3) == guess_tasks(50, n=16, seed=3)
+    assert guess_tasks(50, n=16, seed=3) != guess_tasks(50, n=16, seed=4)
+    tasks = guess_tasks(200, n=8, seed=0)
+    assert {task.secret for task in tasks} == set(range(1, 9))  # 200 draws hit every value
+    assert [task.id for task in tasks[:2]] == ["guess-8-00000", "guess-8-00001"]
+    assert all(task.n == 8 for task in tasks)
+
+
+@pytest.mark.parametrize("secret", [0, 17, -3])
+def test_a_guess_task_with_its_secret_out_of_range_is_rejected(secret):
+    with pytest.raises(ValueError, match=f"secret {secret} is not in 1..16"):
+        GuessTask("g", secret=secret, n=16)
+
+
+def _binary_search(prompt, turns):
+    low, high = 1, 16
+    for turn in turns:
+        guess = int(turn.action.removeprefix("<call>guess ").removesuffix("</call>"))
+        low, high = (guess + 1, high) if turn.observation == "higher" else (low, guess - 1)
+    return f"<call>guess {(low + high) // 2}</call>"
+
+
+@pytest.mark.parametrize("secret", range(1, 17))
+def test_binary_search_always_finds_the_secret_within_log2_n_plus_one_turns(secret):
+    env = GuessEnv(max_turns=5)  # ceil(log2(16)) + 1 = 5
+    episode = run_episode(env, GuessTask(f"g{secret}", secret=secret, n=16), _binary_search)
+    assert episode.termination == "submitted" and len(episode.turns) <= 5
+    assert episode.grade.reward == 1.0 and episode.grade.success
+    assert episode.grade.checks == (CheckResult("found", True, ""),) and episode.grade.verifier == "guess"
+    for turn in episode.turns[:-1]:  # every wrong guess points the right way
+        guess = int(turn.action.removeprefix("<call>guess ").removesuffix("</call>"))
+        assert turn.observation == ("higher" if guess < secret else "lower")
+    assert episode.turns[-1].observation == f"correct! found in {len(episode.turns)} guesses."
+
+
+def test_guessing_the_same_wrong_number_fails_at_max_turns():
+    env = GuessEnv(max_turns=5)
+    episode = run_episode(env, GuessTask("g", secret=3, n=16), lambda prompt, turns: "<call>guess 9</call>")
+    assert episode.termination == "max_turns" and len(episode.turns) == 5
+    assert [turn.observation for turn in episode.turns] == ["lower"] * 5
+    assert episode.turns[-1].info == {"tool": "guess", "termination": "max_turns"}
+    assert episode.grade.reward == 0.0 and not episode.grade.success
+    assert episode.grade.checks == (CheckResult("found", False, "not found in 5 guesses (secret 3)"),)
+
+
+@pytest.mark.parametrize("action, wrong", [
+    ("<call>guess seven</call>", "N must be a whole number, got 'seven'"),
+    ("<call>guess 7.5</call>", "N must be a whole number, got '7.5'"),
+    ("<call>guess 17</call>", "17 is outside 1..16"),
+    ("<call>guess 0</call>", "0 is outside 1..16"),
+    ("<call>guess</call>", "guess takes 1 argument, got 0"),
+    ("<call>guess 1 2</call>", "guess takes 1 argument, got 2"),
+    ("<call>pick 3</call>", "unknown tool 'pick'; the tools are guess"),
+    ("I think it is 7", "no tool call found"),
+    ("7" * 300, "the limit is 200"),
+])
+def test_a_malformed_guess_is_an_error_observation_that_costs_a_turn(action, wrong):
+    env = GuessEnv(max_turns=2)
+    env.reset(GuessTask("g", secret=7, n=16))
+    observation, done, info = env.step(action)
+    assert wrong in observation and info == {"error": observation.splitlines()[0]}
+    assert done is False and env.guesses == []
+    observation, done, info = env.step(action)  # the second costs the last turn
+    assert done is True and info["termination"] == "max_turns" and info["error"]
+    assert env.grade().checks[0] == CheckResult("found", False, "not found in 0 guesses (secret 7)")
+    with pytest.raises(RuntimeError, match="episode is over"):
+        env.step("<call>guess 7</call>")
+
+
+def test_guess_env_reset_starts_over_and_guards_its_protocol():
+    with pytest.raises(ValueError, match="max_turns"):
+        GuessEnv(max_turns=0)
+    env = GuessEnv(max_turns=3)
+    with pytest.raises(RuntimeError, match="reset"):
+        env.step("<call>guess 1</call>")
+    with pytest.raises(RuntimeError, match="reset"):
+        env.grade()
+    task = GuessTask("g", secret=2, n=4)
+    assert env.reset(task).startswith("I picked a number between 1 and 4. Find it in at most 3 guesses.")
+    assert env.step("<call>guess 2</call>") == ("correct! found in 1 guesses.", True,
+                                                 {"tool": "guess", "termination": "submitted"})
+    assert env.grade().reward == 1.0
+    env.reset(task)
+    assert (env.guesses, env.turns, env.found, env.done) == ([], 0, False, False)
+    assert env.grade().reward == 0.0
+    assert env.step("<call>guess 1</call>") == ("higher", False, {"tool": "guess"})
