@@ -5,42 +5,69 @@ process (never a reused one) in its own session, and applies, in this order of s
 whatever the machine allows:
 
 - ``namespaces`` (root, or unprivileged user namespaces): ``unshare`` puts the run in new
-  network, PID and mount namespaces. The network namespace has only a downed loopback, so
-  neither 127.0.0.1 on the host nor any outside address is reachable. The PID namespace
-  dies with the run: a daemon the code spawns, even one that calls setsid, is killed when
-  the run ends. In the mount namespace /tmp, /var/tmp, /dev/shm and /run/lock are fresh
-  size-capped tmpfs mounts, so the code cannot leave files where the host or another task
-  would see them; its working directory is bind-mounted at /tmp/work.
-- ``uid`` (when the launcher is real root): the code runs as an unprivileged user
-  (nobody, 65534) with no supplementary groups, so it cannot write the host's files, cannot
-  signal the host's processes, and RLIMIT_NPROC is enforced (the kernel ignores it for root).
-  The working directory is read-only to it.
+  network, PID, IPC, UTS and mount namespaces. The network namespace has only a downed
+  loopback, so neither 127.0.0.1 on the host nor any outside address is reachable. The PID
+  namespace dies with the run: a daemon the code spawns, even one that calls setsid, is
+  killed when the run ends; the run has its own /proc, so it sees no host process. The IPC
+  namespace takes any SysV shared memory or message queue the code leaves with it. In the
+  mount namespace /tmp, /var/tmp, /dev/shm and /run are fresh size-capped tmpfs mounts, so
+  the code cannot leave files where the host or another run would see them (nor reach the
+  host's unix sockets under /run); /sys is the run's own (only ``lo`` in /sys/class/net);
+  /dev holds only null, zero, full, random, urandom, tty and a private pts (no host disk or
+  console); every other mount, the working directory included (bind-mounted at /tmp/work),
+  is read-only.
+- ``uid`` (when the launcher is real root): the code runs as an unprivileged uid picked at
+  random for this run (from 2**30 up, with no account; gid the same, no supplementary
+  groups), so it cannot read root's files, cannot signal the host's processes or another
+  run's, and RLIMIT_NPROC is enforced per run (the kernel ignores it for root, and counts it
+  per uid, so a shared uid would let one run's fork bomb starve another). Without
+  namespaces, every process left with that uid is killed when the run ends, and the working
+  directory is still read-only to it (root owns it).
 - ``rlimits`` (always): CPU seconds, address space, file size (which also caps what stdout
-  and stderr can write), process count, open files, no core dumps.
+  and stderr can write), process count, open files, no core dumps. The code also runs with
+  an empty capability bounding set and no_new_privs, so it cannot raise these limits, undo
+  the mounts, or gain privileges through a setuid binary, even when it runs as root.
 - ``env`` (always): the environment is built from an allowlist, not inherited, so no
-  API key, token, secret, proxy or credential path of the host reaches the code.
+  API key, token, secret, proxy or credential path of the host reaches the code; nor do
+  the keys in the host's session keyring (the code gets a fresh, empty one).
+  The interpreter runs with -I -S: PYTHON* variables, the script's directory (a ``json.py``
+  next to it), sitecustomize and usercustomize are all ignored.
 - ``wall`` (always): a wall-clock timeout kills the whole process group (and namespace).
 
 `SandboxResult.isolation` names the mechanisms that were in force for that run, and
-`isolation_report()` says what the machine supports and what is missing.
+`isolation_report()` says what the machine supports and what is missing. A failure of the
+sandbox itself (it could not start the program) raises `SandboxError`; it is never reported
+as the program's failure.
 
 NOT guaranteed:
-- Without namespaces (no root, no user namespaces) there is no network isolation, a daemon
-  that calls setsid can outlive the run, and /tmp is shared: the report says so.
-- Without the uid drop, RLIMIT_NPROC does not stop a fork bomb run as root; the wall clock
-  and the PID namespace still end it.
+- Without namespaces (no root, no user namespaces) there is no network isolation, the code
+  sees the host's processes, devices and /tmp (and can write there), and without the uid
+  drop a daemon that calls setsid can outlive the run: the report says so.
+- Without the uid drop the code runs as the launching user: it can read that user's files
+  (root's, when root), and without namespaces also write them and signal that user's
+  processes. RLIMIT_NPROC does not stop a fork bomb run as root (the wall clock and the PID
+  namespace still end it); for another user without namespaces it counts all of that
+  user's processes, not just the run's.
+- Memory is limited per process (RLIMIT_AS); the run as a whole may use up to
+  ``max_processes * memory_mb`` plus its tmpfs mounts. There is no cgroup.
+- Pathname unix sockets outside /tmp, /var/tmp, /dev/shm and /run stay reachable (for
+  reading and connecting) where their permissions allow.
 - This is not a security boundary against kernel exploits; it closes the shortcuts an RL
   policy finds (network, secrets, shared files, stray processes, runaway resources).
 - The code sees the read-only host filesystem (system Python and libraries). Tasks must not
   keep answers on disk; git history beyond the base commit is the task builder's job.
+- The script's directory is not on ``sys.path`` (that is what keeps a planted ``json.py``
+  out); a grader that imports a sibling module must add the directory itself.
 """
 
 from __future__ import annotations
 
 import functools
-import json
+import marshal
 import os
 import re
+import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -54,12 +81,24 @@ from typing import Mapping, Sequence
 from keelrl.errors import ConfigError
 
 _LAUNCHER = Path(__file__).with_name("_sandbox_launcher.py")
-NOBODY = 65534
+RUN_UID_BASE = 1 << 30
+"""Runs get a uid (and gid) in [RUN_UID_BASE, RUN_UID_BASE + RUN_UID_SPAN), picked at random."""
+RUN_UID_SPAN = 1 << 29
 SECRET_NAME = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH|COOKIE|SESSION|PROXY)",
                          re.IGNORECASE)
 SAFE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
-            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8", "PYTHONHASHSEED": "0"}
+            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8", "PYTHONHASHSEED": "0",
+            "USER": "sandbox", "LOGNAME": "sandbox"}
 WORK_MOUNT = "/tmp/work"
+_NO_NAMESPACES = ("no network, PID, IPC or /tmp isolation: the code can reach the network and "
+                  "the host's loopback, sees the host's processes and /tmp")
+_NO_UID = ("the code runs as this user: it can read this user's files (and without namespaces "
+           "write them and signal its processes); RLIMIT_NPROC is not enforced for root, and "
+           "without namespaces it counts all of this user's processes")
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself failed (it could not start the program); not a verdict on the code."""
 
 
 @dataclass(frozen=True)
@@ -73,13 +112,13 @@ class SandboxLimits:
     memory_mb: int = 512
     """Address space of each process (RLIMIT_AS)."""
     max_processes: int = 32
-    """Processes the sandbox user may have (RLIMIT_NPROC; enforced with the uid drop)."""
+    """Processes the run may have (RLIMIT_NPROC; enforced with the uid drop or a user namespace)."""
     max_file_mb: int = 8
     """Largest file any process may write, stdout and stderr included (RLIMIT_FSIZE)."""
     max_open_files: int = 64
     """Open file descriptors per process (RLIMIT_NOFILE)."""
     tmpfs_mb: int = 16
-    """Size of each private tmpfs (/tmp, /var/tmp, /dev/shm) under namespaces."""
+    """Size of each private tmpfs (/tmp, /var/tmp, /dev/shm, /run) under namespaces."""
     output_tail_chars: int = 4000
     """How much of the end of stdout and stderr the result keeps."""
 
@@ -124,11 +163,18 @@ class SandboxResult:
             "timeout": "killed: wall-clock limit reached",
             "cpu_limit": "killed: CPU-time limit reached",
             "memory": "failed: memory limit reached",
-            "output_limit": "killed: file/output size limit reached",
-            "killed": f"killed by signal {-(self.exit_code or 0)}",
+            "output_limit": "failed: file/output size limit reached",
+            "killed": f"killed by signal {_signal_name(-(self.exit_code or 0))}",
         }.get(self.status, self.status)
         last = self.stderr.strip().splitlines()[-1:] if self.stderr.strip() else []
         return f"{reason}" + (f" ({last[0][:200]})" if last and self.status != "ok" else "")
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return f"{number} ({signal.Signals(number).name})"
+    except ValueError:
+        return str(number)
 
 
 @dataclass(frozen=True)
@@ -173,41 +219,49 @@ def isolation_report() -> IsolationReport:
     """Probe, once, which mechanisms work here by running a tiny program through each."""
     interpreter = _interpreter_for_sandbox()
     missing = []
-    namespaces = shutil.which("unshare") is not None and _probe(interpreter, namespaces=True, drop=False)
+    namespaces, why = (False, "'unshare' not found") if shutil.which("unshare") is None else \
+        _probe(interpreter, namespaces=True, drop=False)
     if not namespaces:
-        missing.append("namespaces: 'unshare' unavailable or not permitted (no network, PID or "
-                       "/tmp isolation; setsid daemons can outlive a run)")
-    drop = os.geteuid() == 0 and _probe(interpreter, namespaces=namespaces, drop=True)
+        missing.append(f"namespaces: not permitted here ({why}); {_NO_NAMESPACES}, and a setsid "
+                       "daemon can outlive a run unless the uid drop is in force")
+    drop, why = (False, "not running as root") if os.geteuid() != 0 else \
+        _probe(interpreter, namespaces=namespaces, drop=True)
     if not drop:
-        missing.append("uid: not running as root, so code runs as this user "
-                       "(RLIMIT_NPROC is only enforced per user, the working directory is writable)")
+        missing.append(f"uid: {why}; {_NO_UID}")
     return IsolationReport(namespaces=namespaces, uid_drop=drop, interpreter=interpreter,
                            missing=tuple(missing))
 
 
-def _probe(interpreter: str, namespaces: bool, drop: bool) -> bool:
+def _probe(interpreter: str, namespaces: bool, drop: bool) -> tuple[bool, str]:
     try:
         result = _execute({"probe.py": "print('ok')\n"}, ["probe.py"], SandboxLimits(wall_time_s=10),
                           interpreter=interpreter, namespaces=namespaces, drop=drop, stdin=None)
-    except OSError:
-        return False
-    return result.status == "ok" and result.stdout.strip() == "ok"
+    except (OSError, SandboxError) as error:
+        return False, str(error).strip().splitlines()[-1][:300] if str(error).strip() else repr(error)
+    if result.status == "ok" and result.stdout.strip() == "ok":
+        return True, ""
+    return False, f"probe {result.verdict()}"
 
 
 class Sandbox:
     """Runs Python programs under the strongest isolation this machine allows.
 
-    Thread-safe: each run has its own directory and process tree. Use one per process or
-    share it; the machine probe is cached.
+    Thread-safe: each run has its own directory, process tree and uid. Use one per process
+    or share it; the machine probe is cached.
     """
 
     def __init__(self, limits: SandboxLimits | None = None, *, require: Sequence[str] = (),
                  use_namespaces: bool = True, use_uid_drop: bool = True) -> None:
         self.limits = limits or SandboxLimits()
         probed = isolation_report()
+        missing = list(probed.missing)
+        if probed.namespaces and not use_namespaces:
+            missing.append(f"namespaces: turned off (use_namespaces=False); {_NO_NAMESPACES}")
+        if probed.uid_drop and not use_uid_drop:
+            missing.append(f"uid: turned off (use_uid_drop=False); {_NO_UID}")
         report = IsolationReport(namespaces=probed.namespaces and use_namespaces,
                                  uid_drop=probed.uid_drop and use_uid_drop,
-                                 interpreter=probed.interpreter, missing=probed.missing)
+                                 interpreter=probed.interpreter, missing=tuple(missing))
         absent = [name for name in require if name not in report.mechanisms()]
         if absent:
             raise RuntimeError(f"sandbox isolation {absent} required but not available here:\n"
@@ -218,9 +272,10 @@ class Sandbox:
             stdin: bytes | None = None, limits: SandboxLimits | None = None) -> SandboxResult:
         """Write `files` into a fresh directory and run `python <argv...>` there.
 
-        `argv[0]` is the script, relative to the directory. The program may write a result
-        string to the file descriptor named by the environment variable KEEL_RESULT_FD;
-        it comes back as `result_data`, separate from stdout.
+        `argv[0]` is the script, relative to the directory, which the program sees read-only.
+        The program may write a result string to the file descriptor named by the environment
+        variable KEEL_RESULT_FD; it comes back as `result_data`, separate from stdout.
+        Raises `SandboxError` if the sandbox itself could not start the program.
         """
         return _execute(files, argv, limits or self.limits, interpreter=self.report.interpreter,
                         namespaces=self.report.namespaces, drop=self.report.uid_drop, stdin=stdin)
@@ -242,6 +297,15 @@ def _write_files(root: Path, files: Mapping[str, str | bytes]) -> None:
         target.chmod(0o644)
 
 
+def _private_file(path: Path, content: bytes = b"") -> int:
+    """A new file only root (the host side) may open; the run gets the descriptor."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    if content:
+        os.write(fd, content)
+        os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
 def _tail(path: Path, chars: int) -> tuple[str, bool]:
     size = path.stat().st_size
     with path.open("rb") as handle:
@@ -253,56 +317,57 @@ def _tail(path: Path, chars: int) -> tuple[str, bool]:
 def _execute(files: Mapping[str, str | bytes], argv: Sequence[str], limits: SandboxLimits, *,
              interpreter: str, namespaces: bool, drop: bool, stdin: bytes | None) -> SandboxResult:
     started = time.monotonic()
+    run_uid = RUN_UID_BASE + secrets.randbelow(RUN_UID_SPAN) if drop else None
     with tempfile.TemporaryDirectory(prefix="keel-sbx-") as tmp:
         base = Path(tmp)
-        base.chmod(0o711)  # the sandbox user may pass through, not list
+        base.chmod(0o700)
         work = base / "work"
         work.mkdir()
         work.chmod(0o755)
         _write_files(work, files)
+        if run_uid is not None and not namespaces:
+            # The program reaches its directory through the host's /tmp: only its own gid may
+            # pass through, so another run (another uid) cannot read this one's files.
+            os.chown(base, 0, run_uid)
+            base.chmod(0o710)
         out_path, err_path = base / "stdout", base / "stderr"
         result_path, status_path = base / "result", base / "status"
-        with out_path.open("wb") as out, err_path.open("wb") as err, \
-                result_path.open("wb") as res, status_path.open("wb") as stat:
-            result_path.chmod(0o622)
+        fds = [_private_file(path) for path in (out_path, err_path, result_path, status_path)]
+        out, err, res, stat = fds
+        if stdin is not None:  # a file, not a pipe: a program that never reads cannot block us
+            fds.append(_private_file(base / "stdin", stdin))
+        try:
             plan = {
-                "workdir": str(work), "namespaces": namespaces, "drop_uid": NOBODY if drop else None,
+                "workdir": str(work), "namespaces": namespaces, "drop_uid": run_uid,
                 "interpreter": interpreter, "argv": list(argv), "mount_point": WORK_MOUNT,
                 "env": dict(SAFE_ENV, HOME=WORK_MOUNT if namespaces else str(work)),
-                "tmpfs_mb": limits.tmpfs_mb, "status_fd": stat.fileno(),
+                "tmpfs_mb": limits.tmpfs_mb, "status_fd": stat, "wall_time_s": limits.wall_time_s,
                 "rlimits": {"CPU": limits.cpu_time_s, "AS": limits.memory_mb * 2**20,
                             "FSIZE": limits.max_file_mb * 2**20, "NPROC": limits.max_processes,
                             "NOFILE": limits.max_open_files, "CORE": 0},
             }
-            command = [sys.executable, "-I", "-S", str(_LAUNCHER), json.dumps(plan)]
+            command = [sys.executable, "-I", "-S", str(_LAUNCHER), marshal.dumps(plan).hex()]
             if namespaces:
                 userns = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
-                command = ["unshare", *userns, "--net", "--pid", "--fork", "--kill-child", "--mount",
-                           "--propagation", "private", *command]
+                command = ["unshare", *userns, "--net", "--pid", "--ipc", "--uts", "--fork",
+                           "--kill-child", "--mount", "--propagation", "private", *command]
             proc = subprocess.Popen(
-                command, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                stdout=out, stderr=err, pass_fds=(res.fileno(), stat.fileno()), start_new_session=True,
-                env={"KEEL_RESULT_FD": str(res.fileno()), "PATH": SAFE_ENV["PATH"]}, close_fds=True)
-            timed_out = False
-            try:
-                if stdin is not None:
-                    try:
-                        assert proc.stdin is not None
-                        proc.stdin.write(stdin)
-                        proc.stdin.close()
-                    except OSError:
-                        pass
-                proc.wait(timeout=limits.wall_time_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            finally:
-                _kill_tree(proc)
+                command, stdin=fds[4] if stdin is not None else subprocess.DEVNULL,
+                stdout=out, stderr=err, pass_fds=(res, stat), start_new_session=True,
+                env={"KEEL_RESULT_FD": str(res), "PATH": SAFE_ENV["PATH"]}, close_fds=True)
+            timed_out = not _wait_for_exit(proc, limits.wall_time_s)
+            _kill_tree(proc)
+            if run_uid is not None and not namespaces:
+                _kill_uid(run_uid, interpreter)
+        finally:
+            for fd in fds:
+                os.close(fd)
         duration = time.monotonic() - started
         stdout, out_cut = _tail(out_path, limits.output_tail_chars)
         stderr, err_cut = _tail(err_path, limits.output_tail_chars)
         result_data = result_path.read_bytes()[: 4 * 2**20].decode("utf-8", errors="replace")
         output_full = max(out_path.stat().st_size, err_path.stat().st_size) >= limits.max_file_mb * 2**20
-        code = _child_exit_code(status_path.read_bytes(), proc.returncode)
+        code = _child_exit_code(status_path.read_bytes(), proc.returncode, timed_out, stderr)
     isolation = IsolationReport(namespaces, drop, interpreter).mechanisms()
     status = _status(code, timed_out, stderr, output_full)
     return SandboxResult(status=status, exit_code=None if timed_out else code, stdout=stdout, stderr=stderr,
@@ -310,13 +375,55 @@ def _execute(files: Mapping[str, str | bytes], argv: Sequence[str], limits: Sand
                          isolation=isolation, result_data=result_data, output_truncated=out_cut or err_cut)
 
 
-def _child_exit_code(status_record: bytes, launcher_code: int | None) -> int | None:
-    """The program's exit code (or minus its signal) from the launcher's wait-status record."""
+def _wait_for_exit(proc: subprocess.Popen, timeout_s: float) -> bool:
+    """Wait up to `timeout_s` for the launcher to exit, WITHOUT reaping it.
+
+    While it is an unreaped zombie its pid (the run's process-group id) cannot be reused,
+    so `_kill_tree` can never signal an unrelated process group that got the same number.
+    """
     try:
-        status = int(json.loads(status_record)["status"])
-    except (ValueError, KeyError, TypeError):
-        return launcher_code if launcher_code is None or launcher_code < 0 else -signal.SIGKILL
-    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        pidfd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # pragma: no cover - Linux < 5.3
+        try:
+            proc.wait(timeout=timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+    try:
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                if poller.poll(max(1, int(left * 1000))):
+                    return True
+            except InterruptedError:  # pragma: no cover - retried by Python on EINTR anyway
+                continue
+    finally:
+        os.close(pidfd)
+
+
+def _child_exit_code(status_record: bytes, launcher_code: int | None, timed_out: bool,
+                     stderr: str) -> int | None:
+    """The program's exit code (or minus its signal) from the launcher's record."""
+    try:
+        record = marshal.loads(status_record) if status_record else {}
+    except (EOFError, ValueError, TypeError):
+        record = {}
+    if not isinstance(record, dict):
+        record = {}
+    if "setup_error" in record:
+        raise SandboxError(f"the sandbox could not start the program: {record['setup_error']}")
+    if "status" in record:
+        status = int(record["status"])
+        return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+    if timed_out or (launcher_code is not None and launcher_code < 0):
+        return -signal.SIGKILL  # killed with the whole tree (only the weakest mode lets code do it)
+    raise SandboxError(f"the sandbox launcher exited with status {launcher_code} before the program "
+                       f"ended: {stderr.strip()[-500:]}")
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
@@ -329,6 +436,20 @@ def _kill_tree(proc: subprocess.Popen) -> None:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:  # pragma: no cover - the kernel did not reap it in time
         pass
+
+
+def _kill_uid(uid: int, interpreter: str) -> None:
+    """Kill every process of the run's uid: without a PID namespace, setsid daemons remain.
+
+    kill(-1) as that uid reaches exactly the processes it may signal, which is its own (and
+    no other process has this uid); the kernel does it under one lock, so a process forking
+    at the same moment cannot slip a new child past it. It fails (ESRCH) when none is left.
+    """
+    kill = shutil.which("kill", path=SAFE_ENV["PATH"])
+    command = [kill, "-KILL", "--", "-1"] if kill else \
+        [interpreter, "-I", "-S", "-c", "import os\ntry:\n    os.kill(-1, 9)\nexcept ProcessLookupError:\n    pass"]
+    subprocess.run(command, user=uid, group=uid, extra_groups=[], env={}, cwd="/", stdin=subprocess.DEVNULL,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10, check=False)
 
 
 def _status(code: int | None, timed_out: bool, stderr: str, output_full: bool) -> str:
@@ -347,6 +468,7 @@ def _status(code: int | None, timed_out: bool, stderr: str, output_full: bool) -
         return "killed"
     if "MemoryError" in stderr or "Cannot allocate memory" in stderr:
         return "memory"
-    if output_full:
+    # Python ignores SIGXFSZ, so a Python program meets RLIMIT_FSIZE as EFBIG, not as a signal.
+    if output_full or "File too large" in stderr:
         return "output_limit"
     return "error"
