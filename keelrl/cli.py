@@ -109,6 +109,74 @@ def _cmd_tasks(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from keelrl.config import load_config
+    from keelrl.train.trainer import Trainer
+
+    if args.resume:
+        run_config = Path(args.resume) / "config.yaml"
+        if not run_config.exists():
+            print(f"keel: nothing to resume in {args.resume!r} (no config.yaml)", file=sys.stderr)
+            return 2
+        cfg = load_config(run_config, args.overrides)
+    else:
+        cfg = load_config(args.config, args.overrides)
+    console = Console(stderr=True)
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+               TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[latest]}")]
+    with Progress(*columns, console=console) as progress:
+        bar = progress.add_task("RL", total=cfg.train.steps, latest="warm start + eval...")
+
+        def report(event: str, info: dict) -> None:
+            if event == "step":
+                latest = f"reward {info.get('train/reward', 0):.2f}"
+                if "eval/success" in info:
+                    latest += f" | eval {info['eval/success']:.2f}"
+                progress.update(bar, completed=info["step"], latest=latest)
+            elif event == "eval":
+                progress.update(bar, latest=f"eval before RL {info['eval/success']:.2f}")
+            elif event == "resumed":
+                progress.update(bar, completed=info["step"], latest="resumed")
+            else:
+                progress.update(bar, latest=f"{event}: " + ", ".join(f"{k}={v}" for k, v in info.items()))
+
+        summary = Trainer(cfg, progress=report).run(resume=bool(args.resume))
+    console.print_json(data=summary)
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from keelrl.config import load_config
+    from keelrl.train.trainer import Trainer
+
+    run_dir = Path(args.run_dir)
+    cfg = load_config(run_dir / "config.yaml", [f"model.path={run_dir / 'checkpoint' / 'model'}", *args.overrides])
+    result = Trainer(cfg).evaluate()
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from keelrl.monitor import plot_run, read_metrics
+
+    rows = read_metrics(args.run_dir)
+    if not rows:
+        print(f"keel: no metrics.jsonl in {args.run_dir!r}", file=sys.stderr)
+        return 2
+    table = Table(title=f"run {args.run_dir}")
+    for column in ("step", "train/reward", "eval/success", "policy/entropy", "policy/clip_frac", "time/step_s"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*(f"{row[c]:.3g}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in
+                        ("step", "train/reward", "eval/success", "policy/entropy", "policy/clip_frac", "time/step_s")))
+    Console(width=140).print(table)
+    for path in plot_run(args.run_dir):
+        print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="keel", description="keelrl: RL for LLM agents.")
     parser.add_argument("--version", action="version", version=f"keelrl {__version__}")
@@ -125,6 +193,21 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     config.add_argument("--explain", action="store_true", help="list every field with its help")
     config.set_defaults(func=_cmd_config)
+
+    train = sub.add_parser("train", help="warm start, then RL; writes everything to run_dir")
+    train.add_argument("config", nargs="?", help="YAML config (default: the built-in default run)")
+    train.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. algo.preset=dapo")
+    train.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    train.set_defaults(func=_cmd_train)
+
+    evaluate = sub.add_parser("eval", help="evaluate a run's last checkpoint on held-out tasks")
+    evaluate.add_argument("run_dir")
+    evaluate.add_argument("overrides", nargs="*")
+    evaluate.set_defaults(func=_cmd_eval)
+
+    report = sub.add_parser("report", help="print a run's metrics and draw its plots")
+    report.add_argument("run_dir")
+    report.set_defaults(func=_cmd_report)
 
     tasks = sub.add_parser("tasks", help="export or validate coding tasks (JSONL, one task a line)")
     tasks.add_argument("action", choices=("export", "validate"))

@@ -30,6 +30,134 @@ T = TypeVar("T")
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
 
 
+def _positive(owner: str, **values: float) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ConfigError(name, f"must be > 0, got {value!r}")
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """The policy model."""
+
+    path: str = "tiny"
+    """A local Hugging Face model directory, or 'tiny' for the built-in default (built locally)."""
+    value_head: bool = True
+    """Give critic presets a value head on the policy body (else a separate critic is not built)."""
+    value_stop_gradient: bool = True
+    """The value loss does not update the policy body (the policy loss still does)."""
+
+
+@dataclasses.dataclass
+class EnvConfig:
+    """The tasks and environment the agent trains and is evaluated on."""
+
+    tasks: str = "bundled"
+    """'bundled' or a tasks .jsonl file (split into train/heldout by `split_seed`)."""
+    split_seed: int = 0
+    """Seed of the deterministic train/held-out split."""
+    verifier: str = "strong"
+    """Verifier of the training reward: strong, weak or brittle."""
+    partial_credit: bool = False
+    """Training reward = fraction of checks passed instead of all-or-nothing."""
+    max_turns: int = 6
+    """Turns per episode."""
+    show_tools: bool = False
+    """Describe the tools in every prompt (long); the warm start teaches the format either way."""
+
+    def __post_init__(self) -> None:
+        from keelrl.verifiers import VERIFIERS
+
+        if self.verifier not in VERIFIERS:
+            raise ConfigError("verifier", f"unknown verifier {self.verifier!r}; valid names: {', '.join(VERIFIERS)}")
+        _positive("env", max_turns=self.max_turns)
+
+
+@dataclasses.dataclass
+class RolloutSettings:
+    """How episodes are sampled."""
+
+    tasks_per_step: int = 8
+    """Distinct training tasks per RL step."""
+    group_size: int = 4
+    """Attempts per task (the group of group-relative advantages)."""
+    temperature: float = 1.0
+    """Sampling temperature of training rollouts."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    max_new_tokens: int = 96
+    """Tokens per action."""
+    max_context_tokens: int = 2048
+    """An episode ends when its context would grow past this."""
+    env_threads: int = 4
+    """Threads stepping environments (tool calls and gradings run in the sandbox)."""
+
+    def __post_init__(self) -> None:
+        _positive("rollout", tasks_per_step=self.tasks_per_step, group_size=self.group_size,
+                  temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
+                  max_context_tokens=self.max_context_tokens, env_threads=self.env_threads)
+        if self.top_p > 1:
+            raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """The RL optimisation loop."""
+
+    steps: int = 20
+    """RL steps (each: rollouts, then updates)."""
+    lr: float = 2e-4
+    """AdamW learning rate of the RL phase."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    warmup_steps: int = 2
+    """Linear learning-rate warmup (then constant)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm."""
+    epochs: int = 1
+    """Passes over each batch of rollouts."""
+    minibatch_size: int = 16
+    """Trajectories per optimiser step."""
+    eval_every: int = 10
+    """Independent held-out evaluation every this many steps (and at the end)."""
+    eval_tasks: int = 150
+    """Held-out tasks in each evaluation (never trained on)."""
+    eval_temperature: float = 0.0
+    """0 = greedy evaluation."""
+    checkpoint_every: int = 5
+    """Save a resumable checkpoint every this many steps."""
+    sample_trajectories: int = 4
+    """Trajectories written out as readable text per step."""
+
+    def __post_init__(self) -> None:
+        _positive("train", lr=self.lr, max_grad_norm=self.max_grad_norm, epochs=self.epochs,
+                  minibatch_size=self.minibatch_size, eval_every=self.eval_every, eval_tasks=self.eval_tasks,
+                  checkpoint_every=self.checkpoint_every)
+        if self.steps < 0 or self.warmup_steps < 0 or self.eval_temperature < 0:
+            raise ConfigError("steps", "steps, warmup_steps and eval_temperature must be >= 0")
+
+
+@dataclasses.dataclass
+class WarmStartConfig:
+    """Supervised warm start on the scripted teacher's successful trajectories."""
+
+    demos: int = 400
+    """Successful teacher trajectories on training tasks (0 = no warm start)."""
+    mistake_rate: float = 0.3
+    """Share of demos that make the plausible mistake and recover, like the lecture's trajectory."""
+    epochs: int = 3
+    """Passes over the demos."""
+    lr: float = 1e-3
+    """AdamW learning rate of the warm start."""
+    batch_size: int = 16
+    """Demos per optimiser step."""
+
+    def __post_init__(self) -> None:
+        _positive("warm_start", epochs=self.epochs, lr=self.lr, batch_size=self.batch_size)
+        if self.demos < 0 or not 0 <= self.mistake_rate <= 1:
+            raise ConfigError("demos", "demos must be >= 0 and mistake_rate in [0, 1]")
+
+
 @dataclasses.dataclass
 class KeelConfig:
     """Everything a keelrl run does, resolved and saved in the run directory."""
@@ -38,8 +166,20 @@ class KeelConfig:
     """Seed for every random number generator of the run."""
     device: str = "auto"
     """auto (CUDA when present, else CPU), cpu, cuda, cuda:N or mps."""
+    run_dir: str = "runs/default"
+    """Where the run writes config, metrics, TensorBoard events, plots, checkpoints, samples."""
     algo: AlgoConfig = dataclasses.field(default_factory=AlgoConfig)
     """The RL algorithm: preset and component overrides (see `keel algos`)."""
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    """The policy model."""
+    env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
+    """Tasks, environment and training verifier."""
+    rollout: RolloutSettings = dataclasses.field(default_factory=RolloutSettings)
+    """Rollout sampling."""
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    """The RL loop."""
+    warm_start: WarmStartConfig = dataclasses.field(default_factory=WarmStartConfig)
+    """The supervised warm start before RL."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not _DEVICE_PATTERN.match(self.device):

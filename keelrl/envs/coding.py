@@ -74,13 +74,15 @@ class CodingEnv:
     """Fix a bug in a small repository with read/replace/edit/test/submit tools."""
 
     def __init__(self, verifier: str | Verifier = "strong", *, sandbox: Sandbox | None = None,
-                 max_turns: int = 12, max_action_chars: int = 4000, use_git: bool = True) -> None:
+                 max_turns: int = 12, max_action_chars: int = 4000, use_git: bool = True,
+                 show_tools: bool = True) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         self.sandbox = sandbox or Sandbox(DEFAULT_LIMITS)
         self.verifier = make_verifier(verifier, self.sandbox) if isinstance(verifier, str) else verifier
         self.max_turns = max_turns
         self.max_action_chars = max_action_chars
+        self.show_tools = show_tools
         self.use_git = use_git and shutil.which("git") is not None
         self.task: Task | None = None
         self.workdir: Path | None = None
@@ -107,8 +109,9 @@ class CodingEnv:
             _git(self.workdir, "commit", "-q", "-m", "base")
         self.turn, self.done, self._grade = 0, False, None
         files = ", ".join(sorted(task.files))
+        tools = f"\n{describe_tools(CODING_TOOLS)}" if self.show_tools else ""
         return (f"{task.prompt}\nThe function to fix is {task.entry_function} in {task.entry_file}. "
-                f"Files: {files}.\n{describe_tools(CODING_TOOLS)}")
+                f"Files: {files}.{tools}")
 
     def step(self, action_text: str) -> tuple[str, bool, dict]:
         if self.task is None or self.workdir is None:

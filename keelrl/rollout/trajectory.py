@@ -1,0 +1,102 @@
+"""Trajectory: one episode at token level, exactly as the policy saw and produced it.
+
+Token ids are kept as generated: the policy's tokens are appended verbatim and only the
+environment's observations are tokenised, so nothing is re-tokenised between turns (a
+decoded-then-re-encoded action can split differently and silently change the training data).
+
+`collate` pads a list of trajectories into the [B, T] tensors the algorithms take.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Trajectory:
+    """Everything one episode produced (see DESIGN.md, Contracts)."""
+
+    task_id: str
+    group_id: int
+    token_ids: list[int] = field(default_factory=list)
+    action_mask: list[bool] = field(default_factory=list)
+    """True where the policy generated the token."""
+    behaviour_logprobs: list[float] = field(default_factory=list)
+    """log mu(token) at sampling time for action tokens; 0.0 elsewhere."""
+    turn_ids: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    """Policy version that generated each turn's action (one entry per turn)."""
+    actions: list[str] = field(default_factory=list)
+    observations: list[str] = field(default_factory=list)
+    prompt_length: int = 0
+    reward: float = 0.0
+    success: bool = False
+    partial: float = 0.0
+    checks: list[dict[str, Any]] = field(default_factory=list)
+    termination: str = ""
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def extend(self, tokens: Sequence[int], *, action: bool, turn: int, logprobs: Sequence[float] | None = None) -> None:
+        """Append tokens: the policy's (action=True, with their behaviour log-probs) or the env's."""
+        if action and (logprobs is None or len(logprobs) != len(tokens)):
+            raise ValueError("action tokens need one behaviour log-prob each")
+        self.token_ids.extend(tokens)
+        self.action_mask.extend([action] * len(tokens))
+        self.behaviour_logprobs.extend(logprobs if action and logprobs is not None else [0.0] * len(tokens))
+        self.turn_ids.extend([turn] * len(tokens))
+
+    @property
+    def num_action_tokens(self) -> int:
+        return sum(self.action_mask)
+
+    def to_text(self, tokenizer: Any) -> str:
+        """A readable transcript: prompt, then each action and observation."""
+        lines = [f"# task {self.task_id} (group {self.group_id}) reward={self.reward:g} "
+                 f"success={self.success} termination={self.termination}",
+                 tokenizer.decode(self.token_ids[:self.prompt_length])]
+        for turn, (action, observation) in enumerate(zip(self.actions, self.observations)):
+            lines += [f"--- turn {turn} (policy version {self.versions[turn] if turn < len(self.versions) else '?'})",
+                      f"ACTION: {action}", f"OBSERVATION: {observation}"]
+        lines += [f"checks: {self.checks}", ""]
+        return "\n".join(lines)
+
+
+@dataclass
+class Batch:
+    """Padded tensors for a list of trajectories (right padding)."""
+
+    input_ids: Tensor  # [B, T]
+    attention_mask: Tensor  # [B, T]
+    action_mask: Tensor  # [B, T] bool
+    behaviour_logprobs: Tensor  # [B, T]
+    turn_ids: Tensor  # [B, T]
+    rewards: Tensor  # [B]
+    group_ids: Tensor  # [B]
+
+    def to(self, device: torch.device) -> "Batch":
+        return Batch(**{name: value.to(device) for name, value in self.__dict__.items()})
+
+
+def collate(trajectories: Sequence[Trajectory], pad_id: int) -> Batch:
+    """Right-pad trajectories into a Batch."""
+    width = max(len(t.token_ids) for t in trajectories)
+    batch = len(trajectories)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((batch, width), dtype=torch.long)
+    action = torch.zeros((batch, width), dtype=torch.bool)
+    behaviour = torch.zeros((batch, width), dtype=torch.float32)
+    turns = torch.zeros((batch, width), dtype=torch.long)
+    for row, trajectory in enumerate(trajectories):
+        n = len(trajectory.token_ids)
+        input_ids[row, :n] = torch.tensor(trajectory.token_ids)
+        attention[row, :n] = 1
+        action[row, :n] = torch.tensor(trajectory.action_mask)
+        behaviour[row, :n] = torch.tensor(trajectory.behaviour_logprobs)
+        turns[row, :n] = torch.tensor(trajectory.turn_ids)
+    rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+    groups = torch.tensor([t.group_id for t in trajectories], dtype=torch.long)
+    return Batch(input_ids, attention, action, behaviour, turns, rewards, groups)

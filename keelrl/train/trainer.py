@@ -1,0 +1,341 @@
+"""The trainer: warm start, then RL steps with any preset, with independent evaluation.
+
+One RL step (DESIGN.md, data flow):
+
+    sample tasks -> G attempts each (agent loop, behaviour log-probs recorded) -> rewards
+    -> [KL reward penalty] -> advantages (group, or critic + GAE) -> for each epoch and
+    minibatch: recompute log-probs -> ratio -> clip rule -> aggregation + KL + entropy
+    [+ clipped value loss] -> AdamW step with grad clipping.
+
+Every `eval_every` steps (and before RL, after the warm start) the policy is evaluated on
+held-out tasks it never trains on, with the strong verifier, whatever the training verifier
+is. A step whose loss or gradient is not finite is skipped and counted. Task sampling and
+sampling seeds are functions of (seed, step), so a resumed run repeats exactly what an
+uninterrupted one would have done.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from keelrl.algos import compute_advantages, outcome_to_token_rewards, policy_objective, value_loss
+from keelrl.algos.losses import kl_reward_penalty
+from keelrl.config import KeelConfig, dump_config
+from keelrl.envs.coding import CodingEnv
+from keelrl.envs.tasks import Task
+from keelrl.envs.teacher import ScriptedTeacher
+from keelrl.monitor import MetricsLogger, plot_run
+from keelrl.policy.model import ValueHead, load_policy, resolve_device, token_logprobs
+from keelrl.policy.sampling import SamplingConfig
+from keelrl.rollout.agent_loop import RolloutConfig, model_actor, run_episodes, scripted_actor
+from keelrl.rollout.trajectory import Batch, Trajectory, collate
+from keelrl.sandbox import Sandbox
+from keelrl.verifiers import DEFAULT_LIMITS, make_verifier
+
+
+def load_task_splits(cfg: KeelConfig) -> tuple[list[Task], list[Task]]:
+    """(train, heldout) tasks of the configured source and split seed."""
+    from keelrl.envs.coding_tasks import bundled_tasks
+    from keelrl.envs.tasks import load_tasks, split_of
+
+    tasks = bundled_tasks(None, seed=cfg.env.split_seed) if cfg.env.tasks == "bundled" else load_tasks(cfg.env.tasks)
+    train = [t for t in tasks if split_of(t.id, cfg.env.split_seed) == "train"]
+    heldout = [t for t in tasks if split_of(t.id, cfg.env.split_seed) == "heldout"]
+    if not train or not heldout:
+        raise ValueError(f"env.tasks {cfg.env.tasks!r} gives {len(train)} train and {len(heldout)} held-out tasks; "
+                         f"both must be non-empty")
+    return train, heldout
+
+
+class Trainer:
+    """Runs one training job into cfg.run_dir (see the module docstring)."""
+
+    def __init__(self, cfg: KeelConfig, progress: Callable[[str, dict[str, Any]], None] | None = None) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.progress = progress or (lambda event, info: None)
+        self.device = resolve_device(cfg.device)
+        random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        self.model, self.tokenizer = load_policy(cfg.model.path, self.device)
+        self.pad_id = self.tokenizer.pad_token_id
+        self.value_head = None
+        if cfg.algo.uses_critic:
+            if not cfg.model.value_head:
+                raise ValueError("algo preset needs a critic but model.value_head is false")
+            self.value_head = ValueHead(self.model.config.hidden_size, cfg.model.value_stop_gradient).to(self.device)
+        self.reference = None
+        if cfg.algo.kl_coef > 0:
+            self.reference, _ = load_policy(cfg.model.path, self.device)
+            self.reference.eval().requires_grad_(False)
+        self.train_tasks, self.heldout_tasks = load_task_splits(cfg)
+        self.sandbox = Sandbox(DEFAULT_LIMITS)
+        self.train_verifier = make_verifier(cfg.env.verifier, self.sandbox, partial_credit=cfg.env.partial_credit)
+        self.eval_verifier = make_verifier("strong", self.sandbox)
+        self.optimizer = self._optimizer(cfg.train.lr)
+        self.step = 0
+        self.skipped_steps = 0
+        self.summary: dict[str, Any] = {}
+
+    # ----------------------------------------------------------------- helpers
+    def _parameters(self) -> list[torch.nn.Parameter]:
+        params = list(self.model.parameters())
+        if self.value_head is not None:
+            params += list(self.value_head.parameters())
+        return params
+
+    def _optimizer(self, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self._parameters(), lr=lr, weight_decay=self.cfg.train.weight_decay)
+
+    def _env(self, verifier: Any) -> Callable[[], CodingEnv]:
+        return lambda: CodingEnv(verifier, sandbox=self.sandbox, max_turns=self.cfg.env.max_turns,
+                                 show_tools=self.cfg.env.show_tools)
+
+    def _rollout_cfg(self, group_size: int) -> RolloutConfig:
+        r = self.cfg.rollout
+        return RolloutConfig(group_size=group_size, max_turns=self.cfg.env.max_turns,
+                             max_context_tokens=r.max_context_tokens, env_threads=r.env_threads)
+
+    # ----------------------------------------------------------------- warm start
+    def warm_start(self) -> dict[str, float]:
+        """SFT on the scripted teacher's successful trajectories over training tasks."""
+        ws = self.cfg.warm_start
+        if ws.demos == 0:
+            return {}
+        teacher = ScriptedTeacher(success_rate=1.0, mistake_rate=ws.mistake_rate, seed=self.cfg.seed)
+        rng = random.Random(f"{self.cfg.seed}:demos")
+        tasks = [self.train_tasks[i % len(self.train_tasks)] for i in range(ws.demos)]
+        rng.shuffle(tasks)
+        policies = [teacher.policy(task) for task in tasks]
+        demos = run_episodes(self._env(self.train_verifier), tasks, self.tokenizer,
+                             scripted_actor(self.tokenizer, policies), self._rollout_cfg(1))
+        demos = [d for d in demos if d.success]
+        self.progress("warm_start", {"demos": len(demos)})
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=ws.lr)
+        self.model.train()
+        losses = []
+        for epoch in range(ws.epochs):
+            rng.shuffle(demos)
+            for start in range(0, len(demos), ws.batch_size):
+                batch = collate(demos[start:start + ws.batch_size], self.pad_id).to(self.device)
+                logp = token_logprobs(self.model, batch.input_ids, batch.attention_mask)["logp"]
+                mask = batch.action_mask
+                loss = -(logp * mask).sum() / mask.sum().clamp(min=1)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.max_grad_norm)
+                optimizer.step()
+                losses.append(loss.item())
+            self.progress("warm_start_epoch", {"epoch": epoch + 1, "loss": losses[-1]})
+        return {"warm_start/demos": len(demos), "warm_start/final_loss": losses[-1] if losses else math.nan}
+
+    # ----------------------------------------------------------------- evaluation
+    def evaluate(self, tasks: Sequence[Task] | None = None) -> dict[str, float]:
+        """Held-out success with the strong verifier, one attempt per task."""
+        tasks = list(tasks if tasks is not None else self.heldout_tasks[: self.cfg.train.eval_tasks])
+        sampling = SamplingConfig(temperature=self.cfg.train.eval_temperature, top_p=1.0,
+                                  max_new_tokens=self.cfg.rollout.max_new_tokens)
+        self.model.eval()
+        trajectories = run_episodes(self._env(self.eval_verifier), tasks, self.tokenizer,
+                                    model_actor(self.model, self.tokenizer, sampling, seed=self.cfg.seed + 7919),
+                                    self._rollout_cfg(1))
+        return {"eval/success": sum(t.success for t in trajectories) / len(trajectories),
+                "eval/partial": sum(t.partial for t in trajectories) / len(trajectories),
+                "eval/tasks": len(trajectories)}
+
+    # ----------------------------------------------------------------- RL
+    def rollouts(self, step: int) -> list[Trajectory]:
+        r = self.cfg.rollout
+        rng = random.Random(f"{self.cfg.seed}:step:{step}")
+        chosen = rng.sample(self.train_tasks, min(r.tasks_per_step, len(self.train_tasks)))
+        tasks = [task for task in chosen for _ in range(r.group_size)]
+        groups = [index for index in range(len(chosen)) for _ in range(r.group_size)]
+        sampling = SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
+        self.model.eval()
+        return run_episodes(self._env(self.train_verifier), tasks, self.tokenizer,
+                            model_actor(self.model, self.tokenizer, sampling, seed=self.cfg.seed * 1000 + step),
+                            self._rollout_cfg(r.group_size), version=step, group_ids=groups)
+
+    @torch.no_grad()
+    def _advantages(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, float]]:
+        algo = self.cfg.algo
+        mask = batch.action_mask
+        token_rewards = outcome_to_token_rewards(batch.rewards, mask)
+        ref_logp = None
+        if self.reference is not None:
+            ref_logp = token_logprobs(self.reference, batch.input_ids, batch.attention_mask)["logp"]
+            if algo.kl_in_reward:
+                token_rewards = kl_reward_penalty(token_rewards, batch.behaviour_logprobs, ref_logp, mask,
+                                                  algo.kl_coef, algo.kl_estimator)
+        values = None
+        if self.value_head is not None:
+            hidden = token_logprobs(self.model, batch.input_ids, batch.attention_mask, with_hidden=True)["hidden"]
+            values = self.value_head(hidden)
+        out = compute_advantages(token_rewards=token_rewards, mask=mask, group_ids=batch.group_ids, cfg=algo,
+                                 values=values, turn_ids=batch.turn_ids)
+        same = batch.group_ids.unsqueeze(0) == batch.group_ids.unsqueeze(1)
+        spread = torch.where(same, batch.rewards.unsqueeze(0), float("nan"))
+        mixed = (spread.nan_to_num(-1e9).amax(1) != spread.nan_to_num(1e9).amin(1)).float()
+        stats = {"train/zero_advantage_frac": 1.0 - mixed.mean().item()}
+        return out.advantages, out.returns, values, stats | ({"ref": ref_logp} if ref_logp is not None else {})
+
+    def rl_step(self, step: int) -> dict[str, Any]:
+        started = time.monotonic()
+        trajectories = self.rollouts(step)
+        rollout_seconds = time.monotonic() - started
+        batch = collate(trajectories, self.pad_id).to(self.device)
+        advantages, returns, old_values, stats = self._advantages(batch)
+        ref_all = stats.pop("ref", None)
+        algo, train = self.cfg.algo, self.cfg.train
+        lr = train.lr * min(1.0, (step + 1) / max(1, train.warmup_steps)) if train.warmup_steps else train.lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.model.train()
+        sums: dict[str, float] = {}
+        updates = skipped = 0
+        order = list(range(len(trajectories)))
+        rng = random.Random(f"{self.cfg.seed}:minibatch:{step}")
+        for _ in range(train.epochs):
+            rng.shuffle(order)
+            for start in range(0, len(order), train.minibatch_size):
+                rows = torch.tensor(order[start:start + train.minibatch_size], device=self.device)
+                mb = Batch(**{name: value[rows] for name, value in batch.__dict__.items()})
+                out = token_logprobs(self.model, mb.input_ids, mb.attention_mask, with_entropy=True,
+                                     with_hidden=self.value_head is not None)
+                ref = None if ref_all is None or algo.kl_in_reward else ref_all[rows]
+                loss, metrics = policy_objective(logp=out["logp"], old_logp=mb.behaviour_logprobs,
+                                                 advantages=advantages[rows], mask=mb.action_mask, cfg=algo,
+                                                 ref_logp=ref, entropy=out["entropy"])
+                if self.value_head is not None and old_values is not None:
+                    vloss, vmetrics = value_loss(self.value_head(out["hidden"]), old_values[rows], returns[rows],
+                                                 mb.action_mask, algo)
+                    loss = loss + algo.value_coef * vloss
+                    metrics.update(vmetrics)
+                self.optimizer.zero_grad(set_to_none=True)
+                if not torch.isfinite(loss):
+                    skipped += 1
+                    continue
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(self._parameters(), train.max_grad_norm)
+                if not torch.isfinite(grad_norm):
+                    self.optimizer.zero_grad(set_to_none=True)
+                    skipped += 1
+                    continue
+                self.optimizer.step()
+                updates += 1
+                metrics["train/grad_norm"] = grad_norm
+                for key, value in metrics.items():
+                    sums[key] = sums.get(key, 0.0) + float(value)
+        self.skipped_steps += skipped
+        seconds = time.monotonic() - started
+        tokens = int(batch.attention_mask.sum())
+        row: dict[str, Any] = {key: value / max(1, updates) for key, value in sums.items()}
+        row.update(stats)
+        row.update({
+            "train/reward": sum(t.reward for t in trajectories) / len(trajectories),
+            "train/success": sum(t.success for t in trajectories) / len(trajectories),
+            "train/partial": sum(t.partial for t in trajectories) / len(trajectories),
+            "train/episode_tokens": tokens / len(trajectories),
+            "train/action_tokens": sum(t.num_action_tokens for t in trajectories) / len(trajectories),
+            "train/turns": sum(len(t.actions) for t in trajectories) / len(trajectories),
+            "train/updates": updates, "train/skipped_updates": skipped, "train/lr": lr,
+            "time/step_s": seconds, "time/rollout_s": rollout_seconds,
+            "time/tokens_per_s": tokens / max(seconds, 1e-9),
+        })
+        self._write_samples(step, trajectories)
+        return row
+
+    def _write_samples(self, step: int, trajectories: Sequence[Trajectory]) -> None:
+        count = self.cfg.train.sample_trajectories
+        if count <= 0:
+            return
+        folder = self.run_dir / "samples"
+        folder.mkdir(parents=True, exist_ok=True)
+        text = "\n\n".join(t.to_text(self.tokenizer) for t in trajectories[:count])
+        (folder / f"step_{step:04d}.txt").write_text(text)
+
+    # ----------------------------------------------------------------- checkpoints
+    def save_checkpoint(self) -> Path:
+        path = self.run_dir / "checkpoint"
+        tmp = self.run_dir / "checkpoint.tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(tmp / "model")
+        self.tokenizer.save_pretrained(tmp / "model")
+        state = {"step": self.step, "optimizer": self.optimizer.state_dict(), "skipped_steps": self.skipped_steps,
+                 "summary": self.summary, "torch_rng": torch.random.get_rng_state(),
+                 "value_head": self.value_head.state_dict() if self.value_head is not None else None}
+        torch.save(state, tmp / "state.pt")
+        if path.exists():
+            import shutil
+
+            shutil.rmtree(path)
+        tmp.rename(path)
+        return path
+
+    def load_checkpoint(self) -> None:
+        from transformers import AutoModelForCausalLM
+
+        path = self.run_dir / "checkpoint"
+        state = torch.load(path / "state.pt", map_location=self.device, weights_only=False)
+        loaded = AutoModelForCausalLM.from_pretrained(path / "model", dtype=next(self.model.parameters()).dtype)
+        self.model.load_state_dict(loaded.state_dict())
+        if self.value_head is not None and state["value_head"] is not None:
+            self.value_head.load_state_dict(state["value_head"])
+        self.optimizer = self._optimizer(self.cfg.train.lr)
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.random.set_rng_state(state["torch_rng"])
+        self.step, self.skipped_steps, self.summary = state["step"], state["skipped_steps"], state["summary"]
+
+    # ----------------------------------------------------------------- the job
+    def run(self, resume: bool = False, stop_after: int | None = None) -> dict[str, Any]:
+        """Warm start (unless resuming), then RL to cfg.train.steps; returns summary.json's content."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(dump_config(self.cfg))
+        logger = MetricsLogger(self.run_dir)
+        if resume and (self.run_dir / "checkpoint" / "state.pt").exists():
+            self.load_checkpoint()
+            logger.truncate_after(self.step)
+            self.progress("resumed", {"step": self.step})
+        else:
+            if (self.run_dir / "metrics.jsonl").exists():
+                (self.run_dir / "metrics.jsonl").unlink()
+            warm = self.warm_start()
+            before = self.evaluate()
+            self.summary = {"eval_success_before_rl": before["eval/success"], **warm}
+            logger.log(0, {**warm, **before})
+            self.progress("eval", {"step": 0, **before})
+        total = self.cfg.train.steps
+        while self.step < total:
+            if stop_after is not None and self.step >= stop_after:
+                break
+            step = self.step + 1
+            row = self.rl_step(step)
+            if step % self.cfg.train.eval_every == 0 or step == total:
+                row.update(self.evaluate())
+            self.step = step
+            logger.log(step, row)
+            self.progress("step", {"step": step, "total": total, **row})
+            if step % self.cfg.train.checkpoint_every == 0 or step == total:
+                self.save_checkpoint()
+        logger.close()
+        if self.step >= total:
+            last = [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines()]
+            evals = [row["eval/success"] for row in last if "eval/success" in row]
+            self.summary.update({"eval_success_after_rl": evals[-1] if evals else None, "steps": self.step,
+                                 "skipped_updates": self.skipped_steps, "preset": self.cfg.algo.preset})
+            self.summary["plots"] = [str(p) for p in plot_run(self.run_dir)]
+            (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
+        return self.summary
+
+
+def with_overrides(cfg: KeelConfig, **sections: Any) -> KeelConfig:
+    """A copy of `cfg` with whole sections replaced (used by tests and labs)."""
+    return replace(cfg, **sections)

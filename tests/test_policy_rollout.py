@@ -1,0 +1,132 @@
+"""Policy, sampling and the agent loop with the tiny model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from keelrl.envs.coding import CodingEnv
+from keelrl.envs.teacher import ScriptedTeacher
+from keelrl.policy.model import ValueHead, load_policy, token_logprobs
+from keelrl.policy.sampling import SamplingConfig, sample
+from keelrl.policy.tiny import TinyModelSpec, build_tiny_tokenizer, save_tiny_default
+from keelrl.rollout.agent_loop import RolloutConfig, model_actor, run_episodes, scripted_actor
+from keelrl.rollout.trajectory import collate
+from task_fixtures import retry_task
+
+SMALL = TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, max_positions=2048)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = save_tiny_default(tmp_path_factory.mktemp("tiny"), SMALL)
+    return load_policy(str(path), "cpu")
+
+
+def test_tokenizer_round_trips_any_text_and_has_the_chat_template(tmp_path):
+    tokenizer = build_tiny_tokenizer()
+    text = 'def retry_count(config):\n    return config.get("retries") or 3  # é ✓\t'
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+    assert len(tokenizer(text)["input_ids"]) == len(text.encode())  # one token per byte
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                           add_generation_prompt=True)
+    assert prompt == "<|user|>hi<|end|><|assistant|>"
+    tokenizer.save_pretrained(tmp_path)
+    from transformers import AutoTokenizer
+
+    again = AutoTokenizer.from_pretrained(tmp_path)
+    assert again(text)["input_ids"] == tokenizer(text)["input_ids"] and len(again) == len(tokenizer)
+
+
+def test_chunked_logprobs_and_entropy_equal_the_naive_computation(tiny):
+    model, _ = tiny
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (3, 41), generator=generator)
+    attention = torch.ones_like(ids)
+    attention[2, 30:] = 0  # right padding
+    chunked = token_logprobs(model, ids, attention, chunk_size=7, with_entropy=True)
+    logits = model(input_ids=ids, attention_mask=attention).logits.float()
+    log_probs = torch.log_softmax(logits[:, :-1], -1)
+    naive = log_probs.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(chunked["logp"][:, 1:], naive, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(chunked["entropy"][:, 1:], -(log_probs.exp() * log_probs).sum(-1), rtol=1e-5, atol=1e-5)
+    assert torch.equal(chunked["logp"][:, 0], torch.zeros(3))
+
+
+def test_value_head_stop_gradient_keeps_the_value_loss_off_the_body(tiny):
+    model, _ = tiny
+    ids = torch.randint(0, 256, (2, 12))
+    for stop, body_gets_grad in ((True, False), (False, True)):
+        model.zero_grad(set_to_none=True)
+        head = ValueHead(model.config.hidden_size, stop_gradient=stop)
+        torch.nn.init.normal_(head.linear.weight)
+        hidden = token_logprobs(model, ids, torch.ones_like(ids), with_hidden=True)["hidden"]
+        head(hidden).pow(2).mean().backward()
+        body_grad = model.model.layers[0].mlp.up_proj.weight.grad
+        assert (body_grad is not None and body_grad.abs().sum() > 0) == body_gets_grad
+        assert head.linear.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.9)])
+def test_behaviour_logprobs_are_those_of_the_distribution_sampled_from(tiny, temperature, top_p):
+    model, tokenizer = tiny
+    contexts = [tokenizer("<|user|>fix it<|end|><|assistant|>")["input_ids"],
+                tokenizer("<|user|>a longer request<|end|><|assistant|>")["input_ids"]]
+    samples = sample(model, tokenizer, contexts, SamplingConfig(temperature, top_p, max_new_tokens=12),
+                     generator_seed=3)
+    for context, drawn in zip(contexts, samples):
+        sequence = torch.tensor([context + drawn.token_ids])
+        logits = model(input_ids=sequence).logits[0, len(context) - 1:-1].float() / temperature
+        logits[:, tokenizer.pad_token_id] = float("-inf")  # the pad token is never sampled
+        if top_p < 1.0:  # nucleus: keep the smallest prefix of sorted tokens reaching top_p
+            sorted_logits, order = logits.sort(-1, descending=True)
+            cumulative = sorted_logits.softmax(-1).cumsum(-1)
+            drop = cumulative - sorted_logits.softmax(-1) > top_p
+            logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(drawn.token_ids)[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(drawn.logprobs), expected, rtol=1e-4, atol=1e-4)
+        assert tokenizer.pad_token_id not in drawn.token_ids
+
+
+def test_agent_loop_keeps_generated_token_ids_without_retokenising(tiny):
+    model, tokenizer = tiny
+    # Bytes that are not valid UTF-8 decode to U+FFFD and would re-encode to different ids.
+    raw = [0xE2, 0x82, 0x41] + tokenizer("<call>read</call>", add_special_tokens=False)["input_ids"]
+    assert tokenizer(tokenizer.decode(raw), add_special_tokens=False)["input_ids"] != raw
+
+    def act(active):
+        return [(list(raw), [-0.5] * len(raw), tokenizer.decode(raw)) for _ in active]
+
+    task = retry_task()
+    [trajectory] = run_episodes(lambda: CodingEnv(max_turns=2, use_git=False), [task], tokenizer, act,
+                                RolloutConfig(max_turns=2), version=7)
+    ids, mask = trajectory.token_ids, trajectory.action_mask
+    action_positions = [i for i, m in enumerate(mask) if m]
+    assert len(action_positions) == 2 * len(raw)
+    assert [ids[i] for i in action_positions] == raw + raw
+    assert [trajectory.behaviour_logprobs[i] for i in action_positions] == [-0.5] * (2 * len(raw))
+    assert all(trajectory.behaviour_logprobs[i] == 0.0 for i, m in enumerate(mask) if not m)
+    assert trajectory.versions == [7, 7] and trajectory.termination == "max_turns"
+    assert sorted(set(trajectory.turn_ids)) == [0, 1]
+    assert trajectory.observations[0].startswith("retry.py\n1| def retry_count")
+
+
+def test_teacher_demonstrations_and_model_rollouts_collate_into_aligned_tensors(tiny):
+    model, tokenizer = tiny
+    task = retry_task()
+    teacher = ScriptedTeacher(success_rate=1.0, mistake_rate=1.0, seed=0)
+    demos = run_episodes(lambda: CodingEnv(max_turns=8), [task, task], tokenizer,
+                         scripted_actor(tokenizer, [teacher.policy(task), teacher.policy(task)]), RolloutConfig())
+    assert all(d.success and d.reward == 1.0 for d in demos)
+    assert "FAIL test_none" in demos[0].observations[2]  # the lecture's mistake, then recovery
+    rollouts = run_episodes(lambda: CodingEnv(max_turns=2, use_git=False), [task] * 3, tokenizer,
+                            model_actor(model, tokenizer, SamplingConfig(max_new_tokens=8), seed=1),
+                            RolloutConfig(max_turns=2), group_ids=[5, 5, 5])
+    batch = collate(demos + rollouts, tokenizer.pad_token_id)
+    for row, trajectory in enumerate(demos + rollouts):
+        n = len(trajectory.token_ids)
+        assert batch.input_ids[row, :n].tolist() == trajectory.token_ids
+        assert batch.action_mask[row, :n].tolist() == trajectory.action_mask
+        assert not batch.action_mask[row, n:].any() and not batch.attention_mask[row, n:].any()
+    assert batch.group_ids.tolist() == [0, 1, 5, 5, 5]
+    assert batch.rewards[:2].tolist() == [1.0, 1.0]

@@ -1,0 +1,95 @@
+"""The trainer end to end on a very small model: smoke, critic and group presets, resume."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from keelrl.config import load_config
+from keelrl.policy.tiny import TinyModelSpec, save_tiny_default
+from keelrl.train.trainer import Trainer
+
+SMALL = TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, max_positions=2048)
+FAST = ["train.eval_tasks=3", "warm_start.demos=4", "warm_start.epochs=1", "warm_start.batch_size=4",
+        "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=16", "env.max_turns=2",
+        "train.eval_every=2", "train.minibatch_size=2", "train.sample_trajectories=1"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return save_tiny_default(tmp_path_factory.mktemp("model"), SMALL)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_keel_train_cli_smoke_writes_every_output(model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    exe = Path(sys.executable).parent / "keel"
+    result = subprocess.run([str(exe), "train", f"run_dir={run_dir}", f"model.path={model_dir}", "train.steps=2",
+                             *FAST], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = metrics(run_dir)
+    assert [row["step"] for row in rows] == [0, 1, 2]
+    assert "eval/success" in rows[0] and "eval/success" in rows[2]
+    for key in ("train/reward", "train/zero_advantage_frac", "policy/entropy", "policy/clip_frac",
+                "policy/is_weight_max", "policy/approx_kl", "policy/kl_ref", "time/tokens_per_s", "time/step_s"):
+        assert key in rows[1], key
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 2 and "eval_success_before_rl" in summary and "eval_success_after_rl" in summary
+    for name in ("reward_vs_eval", "entropy", "kl", "clip_fraction", "importance_weight"):
+        assert (run_dir / "plots" / f"{name}.png").stat().st_size > 1000
+    assert (run_dir / "config.yaml").exists() and list((run_dir / "tb").iterdir())
+    assert "ACTION:" in (run_dir / "samples" / "step_0001.txt").read_text()
+    assert (run_dir / "checkpoint" / "state.pt").exists()
+
+
+@pytest.mark.parametrize("preset", ["ppo", "grpo"])
+def test_presets_train_a_model_given_by_path(model_dir, tmp_path, preset):
+    cfg = load_config(overrides=[f"run_dir={tmp_path / preset}", f"model.path={model_dir}", f"algo.preset={preset}",
+                                 "train.steps=2", *FAST])
+    trainer = Trainer(cfg)
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    summary = trainer.run()
+    rows = metrics(tmp_path / preset)
+    assert summary["steps"] == 2 and rows[-1]["train/updates"] >= 1
+    changed = any(not (p.detach() == before[name]).all() for name, p in trainer.model.named_parameters())
+    assert changed
+    if preset == "ppo":
+        assert trainer.value_head is not None and "value/loss" in rows[1]
+    else:
+        assert trainer.value_head is None and "value/loss" not in rows[1]
+
+
+def test_a_resumed_run_repeats_the_uninterrupted_one(model_dir, tmp_path):
+    overrides = [f"model.path={model_dir}", "train.steps=4", "train.checkpoint_every=2", "train.eval_every=4", *FAST]
+    full = tmp_path / "full"
+    Trainer(load_config(overrides=[f"run_dir={full}", *overrides])).run()
+    part = tmp_path / "part"
+    Trainer(load_config(overrides=[f"run_dir={part}", *overrides])).run(stop_after=2)
+    assert [row["step"] for row in metrics(part)] == [0, 1, 2]
+    Trainer(load_config(part / "config.yaml")).run(resume=True)
+    expected, resumed = metrics(full), metrics(part)
+    assert [row["step"] for row in resumed] == [0, 1, 2, 3, 4]
+    for want, got in zip(expected[3:], resumed[3:]):
+        for key, value in want.items():
+            if key.startswith("time/") or not isinstance(value, (int, float)):
+                continue
+            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+def test_bad_config_fails_before_any_work(tmp_path):
+    from keelrl.errors import ConfigError
+
+    for override, field in (("rollout.group_size=0", "rollout.group_size"), ("env.verifier=strict", "env.verifier"),
+                            ("train.lr=-1", "train.lr"), ("rollout.top_p=1.5", "rollout.top_p")):
+        with pytest.raises(ConfigError) as info:
+            load_config(overrides=[f"run_dir={tmp_path}", override])
+        assert info.value.field == field
+    assert not any(tmp_path.iterdir())
