@@ -130,6 +130,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
         bar = progress.add_task("RL", total=cfg.train.steps, latest="warm start + eval...")
 
         def report(event: str, info: dict) -> None:
+            if not console.is_terminal:  # logs get one plain line per event
+                shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in info.items()
+                         if k in ("step", "epoch", "loss", "demos", "train/reward", "train/success",
+                                  "eval/success", "eval/partial", "time/step_s")}
+                console.print(f"[{event}] {shown}", highlight=False)
             if event == "step":
                 latest = f"reward {info.get('train/reward', 0):.2f}"
                 if "eval/success" in info:

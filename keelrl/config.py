@@ -58,8 +58,9 @@ class EnvConfig:
     """Seed of the deterministic train/held-out split."""
     verifier: str = "strong"
     """Verifier of the training reward: strong, weak or brittle."""
-    partial_credit: bool = False
-    """Training reward = fraction of checks passed instead of all-or-nothing."""
+    partial_credit: bool = True
+    """Training reward = fraction of checks passed instead of all-or-nothing (the tiny default
+    rarely passes every check at first; partial credit gives its groups a signal)."""
     max_turns: int = 6
     """Turns per episode."""
     show_tools: bool = False
@@ -85,7 +86,7 @@ class RolloutSettings:
     """Sampling temperature of training rollouts."""
     top_p: float = 1.0
     """Nucleus sampling threshold."""
-    max_new_tokens: int = 96
+    max_new_tokens: int = 80
     """Tokens per action."""
     max_context_tokens: int = 2048
     """An episode ends when its context would grow past this."""
@@ -104,7 +105,7 @@ class RolloutSettings:
 class TrainConfig:
     """The RL optimisation loop."""
 
-    steps: int = 20
+    steps: int = 10
     """RL steps (each: rollouts, then updates)."""
     lr: float = 2e-4
     """AdamW learning rate of the RL phase."""
@@ -118,7 +119,7 @@ class TrainConfig:
     """Passes over each batch of rollouts."""
     minibatch_size: int = 16
     """Trajectories per optimiser step."""
-    eval_every: int = 10
+    eval_every: int = 5
     """Independent held-out evaluation every this many steps (and at the end)."""
     eval_tasks: int = 150
     """Held-out tasks in each evaluation (never trained on)."""
@@ -141,13 +142,13 @@ class TrainConfig:
 class WarmStartConfig:
     """Supervised warm start on the scripted teacher's successful trajectories."""
 
-    demos: int = 400
-    """Successful teacher trajectories on training tasks (0 = no warm start)."""
+    demos: int = 448
+    """Teacher trajectories on training tasks, cycling through them (0 = no warm start)."""
     mistake_rate: float = 0.3
     """Share of demos that make the plausible mistake and recover, like the lecture's trajectory."""
-    epochs: int = 3
+    epochs: int = 6
     """Passes over the demos."""
-    lr: float = 1e-3
+    lr: float = 2e-3
     """AdamW learning rate of the warm start."""
     batch_size: int = 16
     """Demos per optimiser step."""

@@ -93,3 +93,41 @@ def test_bad_config_fails_before_any_work(tmp_path):
             load_config(overrides=[f"run_dir={tmp_path}", override])
         assert info.value.field == field
     assert not any(tmp_path.iterdir())
+
+
+def test_a_non_finite_loss_is_skipped_counted_and_logged(model_dir, tmp_path, monkeypatch):
+    import torch
+
+    import keelrl.train.trainer as trainer_module
+
+    real = trainer_module.policy_objective
+
+    def poisoned(**kwargs):
+        loss, metrics = real(**kwargs)
+        return loss * float("nan"), metrics
+
+    cfg = load_config(overrides=[f"run_dir={tmp_path}", f"model.path={model_dir}", "train.steps=1", *FAST])
+    trainer = Trainer(cfg)
+    trainer.warm_start = lambda: {}  # type: ignore[method-assign]
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    monkeypatch.setattr(trainer_module, "policy_objective", poisoned)
+    summary = trainer.run()
+    row = metrics(tmp_path)[-1]
+    assert row["train/skipped_updates"] == row["train/updates"] + row["train/skipped_updates"] > 0
+    assert row["train/updates"] == 0 and summary["skipped_updates"] == row["train/skipped_updates"]
+    assert all(torch.equal(p.detach(), before[name]) for name, p in trainer.model.named_parameters())
+
+
+def test_the_kl_reference_is_the_policy_as_rl_starts(model_dir, tmp_path):
+    import torch
+
+    cfg = load_config(overrides=[f"run_dir={tmp_path}", f"model.path={model_dir}", "train.steps=0",
+                                 "algo.preset=grpo", *FAST])
+    trainer = Trainer(cfg)
+    initial = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.run()
+    warm = dict(trainer.model.named_parameters())
+    reference = dict(trainer.reference.named_parameters())
+    assert any(not torch.equal(warm[name], initial[name]) for name in initial)  # the warm start trained it
+    assert all(torch.equal(reference[name], warm[name].detach()) for name in warm)
+    assert (tmp_path / "reference" / "config.json").exists()

@@ -68,10 +68,11 @@ def load_policy(path: str, device: str | torch.device = "auto", dtype: torch.dty
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype or default_dtype(device))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model.to(device), tokenizer
+    model.to(device)  # type: ignore[arg-type]  # transformers types .to oddly
+    return model, tokenizer
 
 
-def token_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, chunk_size: int = 256,
+def token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor, *, chunk_size: int = 256,
                    with_entropy: bool = False, with_hidden: bool = False) -> dict[str, Tensor]:
     """input_ids, attention_mask [B, T] -> {"logp": [B, T], "entropy": [B, T], "hidden": [B, T, H]}.
 

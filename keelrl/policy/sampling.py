@@ -71,15 +71,16 @@ def sample(model: Any, tokenizer: Any, contexts: Sequence[Sequence[int]], cfg: S
     new_tokens = out.sequences[:, width:]  # [B, N]
     scores = torch.stack(out.scores, dim=1).float()  # [B, N, V]
     logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
-    new_tokens, logprobs = new_tokens.cpu().tolist(), logprobs.cpu().tolist()
+    token_rows: list[list[int]] = new_tokens.cpu().tolist()
+    logprob_rows: list[list[float]] = logprobs.cpu().tolist()
     samples = []
     for row in range(len(contexts)):
-        tokens = new_tokens[row]
+        tokens = token_rows[row]
         length = tokens.index(pad) if pad in tokens else len(tokens)
         text = tokenizer.decode(tokens[:length], skip_special_tokens=False)
         finished = length < len(tokens) or (length > 0 and (tokens[length - 1] in end_ids
                                                             or any(text.endswith(s) for s in cfg.stop)))
-        samples.append(Sample(tokens[:length], logprobs[row][:length], text, "stop" if finished else "length"))
+        samples.append(Sample(tokens[:length], logprob_rows[row][:length], text, "stop" if finished else "length"))
     return samples
 
 

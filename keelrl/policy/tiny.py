@@ -24,11 +24,11 @@ CHAT_TEMPLATE = (
 class TinyModelSpec:
     """Size of the built-in model (Qwen2 architecture)."""
 
-    layers: int = 4
-    hidden: int = 192
-    heads: int = 6
+    layers: int = 2
+    hidden: int = 128
+    heads: int = 4
     kv_heads: int = 2
-    intermediate: int = 512
+    intermediate: int = 384
     max_positions: int = 4096
     seed: int = 0
 

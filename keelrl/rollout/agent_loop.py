@@ -38,8 +38,12 @@ class RolloutConfig:
 
 
 def prompt_tokens(tokenizer: Any, first_observation: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": first_observation}], tokenize=False,
-                                         add_generation_prompt=True)
+    """The first observation as a chat prompt (the tokenizer's template, or a plain fallback)."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": first_observation}], tokenize=False,
+                                             add_generation_prompt=True)
+    else:
+        text = f"User: {first_observation}\nAssistant: "
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

@@ -7,6 +7,10 @@ One RL step (DESIGN.md, data flow):
     minibatch: recompute log-probs -> ratio -> clip rule -> aggregation + KL + entropy
     [+ clipped value loss] -> AdamW step with grad clipping.
 
+The reference model of the KL term is the policy as RL starts (after the warm start), frozen:
+the anchor is what RL began from, not the untrained initialisation. It is saved in the run
+directory (reference/) so a resumed run anchors to the same weights.
+
 Every `eval_every` steps (and before RL, after the warm start) the policy is evaluated on
 held-out tasks it never trains on, with the strong verifier, whatever the training verifier
 is. A step whose loss or gradient is not finite is skipped and counted. Task sampling and
@@ -86,6 +90,24 @@ class Trainer:
         self.summary: dict[str, Any] = {}
 
     # ----------------------------------------------------------------- helpers
+    def _freeze_reference(self) -> None:
+        """Make the reference a frozen copy of the current policy and save it for resumes."""
+        if self.reference is None:
+            return
+        self.reference.load_state_dict(self.model.state_dict())
+        self.reference.eval().requires_grad_(False)
+        self.reference.save_pretrained(self.run_dir / "reference")
+
+    def _load_reference(self) -> None:
+        if self.reference is None:
+            return
+        from transformers import AutoModelForCausalLM
+
+        saved = AutoModelForCausalLM.from_pretrained(self.run_dir / "reference",
+                                                     dtype=next(self.reference.parameters()).dtype)
+        self.reference.load_state_dict(saved.state_dict())
+        self.reference.eval().requires_grad_(False)
+
     def _parameters(self) -> list[torch.nn.Parameter]:
         params = list(self.model.parameters())
         if self.value_head is not None:
@@ -165,7 +187,9 @@ class Trainer:
                             self._rollout_cfg(r.group_size), version=step, group_ids=groups)
 
     @torch.no_grad()
-    def _advantages(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, float]]:
+    def _advantages(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                 torch.Tensor | None, dict[str, float]]:
+        """-> (advantages, returns, old values, reference log-probs, batch statistics)."""
         algo = self.cfg.algo
         mask = batch.action_mask
         token_rewards = outcome_to_token_rewards(batch.rewards, mask)
@@ -185,15 +209,14 @@ class Trainer:
         spread = torch.where(same, batch.rewards.unsqueeze(0), float("nan"))
         mixed = (spread.nan_to_num(-1e9).amax(1) != spread.nan_to_num(1e9).amin(1)).float()
         stats = {"train/zero_advantage_frac": 1.0 - mixed.mean().item()}
-        return out.advantages, out.returns, values, stats | ({"ref": ref_logp} if ref_logp is not None else {})
+        return out.advantages, out.returns, values, ref_logp, stats
 
     def rl_step(self, step: int) -> dict[str, Any]:
         started = time.monotonic()
         trajectories = self.rollouts(step)
         rollout_seconds = time.monotonic() - started
         batch = collate(trajectories, self.pad_id).to(self.device)
-        advantages, returns, old_values, stats = self._advantages(batch)
-        ref_all = stats.pop("ref", None)
+        advantages, returns, old_values, ref_all, stats = self._advantages(batch)
         algo, train = self.cfg.algo, self.cfg.train
         lr = train.lr * min(1.0, (step + 1) / max(1, train.warmup_steps)) if train.warmup_steps else train.lr
         for group in self.optimizer.param_groups:
@@ -302,12 +325,14 @@ class Trainer:
         logger = MetricsLogger(self.run_dir)
         if resume and (self.run_dir / "checkpoint" / "state.pt").exists():
             self.load_checkpoint()
+            self._load_reference()
             logger.truncate_after(self.step)
             self.progress("resumed", {"step": self.step})
         else:
             if (self.run_dir / "metrics.jsonl").exists():
                 (self.run_dir / "metrics.jsonl").unlink()
             warm = self.warm_start()
+            self._freeze_reference()
             before = self.evaluate()
             self.summary = {"eval_success_before_rl": before["eval/success"], **warm}
             logger.log(0, {**warm, **before})
