@@ -30,7 +30,7 @@ T = TypeVar("T")
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
 
 
-def _positive(owner: str, **values: float) -> None:
+def _positive(**values: float) -> None:
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ConfigError(name, f"must be > 0, got {value!r}")
@@ -71,7 +71,7 @@ class EnvConfig:
 
         if self.verifier not in VERIFIERS:
             raise ConfigError("verifier", f"unknown verifier {self.verifier!r}; valid names: {', '.join(VERIFIERS)}")
-        _positive("env", max_turns=self.max_turns)
+        _positive(max_turns=self.max_turns)
 
 
 @dataclasses.dataclass
@@ -94,7 +94,7 @@ class RolloutSettings:
     """Threads stepping environments (tool calls and gradings run in the sandbox)."""
 
     def __post_init__(self) -> None:
-        _positive("rollout", tasks_per_step=self.tasks_per_step, group_size=self.group_size,
+        _positive(tasks_per_step=self.tasks_per_step, group_size=self.group_size,
                   temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
                   max_context_tokens=self.max_context_tokens, env_threads=self.env_threads)
         if self.top_p > 1:
@@ -131,7 +131,7 @@ class TrainConfig:
     """Trajectories written out as readable text per step."""
 
     def __post_init__(self) -> None:
-        _positive("train", lr=self.lr, max_grad_norm=self.max_grad_norm, epochs=self.epochs,
+        _positive(lr=self.lr, max_grad_norm=self.max_grad_norm, epochs=self.epochs,
                   minibatch_size=self.minibatch_size, eval_every=self.eval_every, eval_tasks=self.eval_tasks,
                   checkpoint_every=self.checkpoint_every)
         if self.steps < 0 or self.warmup_steps < 0 or self.eval_temperature < 0:
@@ -154,7 +154,7 @@ class WarmStartConfig:
     """Demos per optimiser step."""
 
     def __post_init__(self) -> None:
-        _positive("warm_start", epochs=self.epochs, lr=self.lr, batch_size=self.batch_size)
+        _positive(epochs=self.epochs, lr=self.lr, batch_size=self.batch_size)
         if self.demos < 0 or not 0 <= self.mistake_rate <= 1:
             raise ConfigError("demos", "demos must be >= 0 and mistake_rate in [0, 1]")
 

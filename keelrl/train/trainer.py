@@ -24,7 +24,6 @@ import json
 import math
 import random
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -360,7 +359,3 @@ class Trainer:
             (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
         return self.summary
 
-
-def with_overrides(cfg: KeelConfig, **sections: Any) -> KeelConfig:
-    """A copy of `cfg` with whole sections replaced (used by tests and labs)."""
-    return replace(cfg, **sections)
