@@ -42,10 +42,17 @@ class ModelConfig:
 
     path: str = "tiny"
     """A local Hugging Face model directory, or 'tiny' for the built-in default (built locally)."""
-    value_head: bool = True
-    """Give critic presets a value head on the policy body (else a separate critic is not built)."""
+    critic: str = "head"
+    """Critic of critic presets: head (on the policy body), separate (its own model) or
+    success_token (the policy's LM head read as P(yes))."""
     value_stop_gradient: bool = True
-    """The value loss does not update the policy body (the policy loss still does)."""
+    """critic=head: the value loss does not update the policy body (the policy loss still does)."""
+
+    def __post_init__(self) -> None:
+        from keelrl.policy.critic import CRITICS
+
+        if self.critic not in CRITICS:
+            raise ConfigError("critic", f"unknown critic {self.critic!r}; valid names: {', '.join(CRITICS)}")
 
 
 @dataclasses.dataclass

@@ -130,3 +130,32 @@ def test_teacher_demonstrations_and_model_rollouts_collate_into_aligned_tensors(
         assert not batch.action_mask[row, n:].any() and not batch.attention_mask[row, n:].any()
     assert batch.group_ids.tolist() == [0, 1, 5, 5, 5]
     assert batch.rewards[:2].tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("kind", ["head", "separate", "success_token"])
+def test_every_critic_gives_aligned_values_and_trains_only_what_it_should(tiny, kind, tmp_path):
+    from keelrl.policy.critic import build_critic
+
+    model, tokenizer = tiny
+    path = tmp_path / "policy"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    critic = build_critic(kind, model, tokenizer, model_path=str(path), device=torch.device("cpu"),
+                          stop_gradient=True)
+    if kind != "success_token":  # value heads start at zero; give the body a gradient path
+        torch.nn.init.normal_(critic.head.linear.weight)
+    ids = torch.randint(0, 256, (2, 9))
+    attention = torch.ones_like(ids)
+    model.zero_grad(set_to_none=True)
+    hidden = token_logprobs(model, ids, attention, with_hidden=True)["hidden"]
+    values = critic(ids, attention, hidden)
+    assert values.shape == (2, 9) and torch.isfinite(values).all()
+    assert torch.equal(values[:, 0], values[:, 1])  # the first two tokens share the empty-ish history
+    if kind == "success_token":
+        assert ((values > 0) & (values < 1)).all()
+    (values - 1.0).pow(2).mean().backward()
+    policy_body_grad = model.model.layers[0].mlp.up_proj.weight.grad
+    policy_gets_grad = policy_body_grad is not None and bool(policy_body_grad.abs().sum() > 0)
+    assert policy_gets_grad == (kind == "success_token")  # head: stop-gradient; separate: its own body
+    if kind == "separate":
+        assert critic.body.model.layers[0].mlp.up_proj.weight.grad.abs().sum() > 0

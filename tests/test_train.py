@@ -50,10 +50,10 @@ def test_keel_train_cli_smoke_writes_every_output(model_dir, tmp_path):
     assert (run_dir / "checkpoint" / "state.pt").exists()
 
 
-@pytest.mark.parametrize("preset", ["ppo", "grpo"])
-def test_presets_train_a_model_given_by_path(model_dir, tmp_path, preset):
+@pytest.mark.parametrize("preset, critic", [("ppo", "head"), ("ppo", "success_token"), ("grpo", "head")])
+def test_presets_train_a_model_given_by_path(model_dir, tmp_path, preset, critic):
     cfg = load_config(overrides=[f"run_dir={tmp_path / preset}", f"model.path={model_dir}", f"algo.preset={preset}",
-                                 "train.steps=2", *FAST])
+                                 f"model.critic={critic}", "train.steps=2", *FAST])
     trainer = Trainer(cfg)
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     summary = trainer.run()

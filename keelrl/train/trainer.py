@@ -36,7 +36,8 @@ from keelrl.envs.coding import CodingEnv
 from keelrl.envs.tasks import Task
 from keelrl.envs.teacher import ScriptedTeacher
 from keelrl.monitor import MetricsLogger, plot_run
-from keelrl.policy.model import ValueHead, load_policy, resolve_device, token_logprobs
+from keelrl.policy.critic import build_critic
+from keelrl.policy.model import load_policy, resolve_device, token_logprobs
 from keelrl.policy.sampling import SamplingConfig
 from keelrl.rollout.agent_loop import RolloutConfig, model_actor, run_episodes, scripted_actor
 from keelrl.rollout.trajectory import Batch, Trajectory, collate
@@ -72,9 +73,8 @@ class Trainer:
         self.pad_id = self.tokenizer.pad_token_id
         self.value_head = None
         if cfg.algo.uses_critic:
-            if not cfg.model.value_head:
-                raise ValueError("algo preset needs a critic but model.value_head is false")
-            self.value_head = ValueHead(self.model.config.hidden_size, cfg.model.value_stop_gradient).to(self.device)
+            self.value_head = build_critic(cfg.model.critic, self.model, self.tokenizer, model_path=cfg.model.path,
+                                           device=self.device, stop_gradient=cfg.model.value_stop_gradient)
         self.reference = None
         if cfg.algo.kl_coef > 0:
             self.reference, _ = load_policy(cfg.model.path, self.device)
@@ -201,7 +201,7 @@ class Trainer:
         values = None
         if self.value_head is not None:
             hidden = token_logprobs(self.model, batch.input_ids, batch.attention_mask, with_hidden=True)["hidden"]
-            values = self.value_head(hidden)
+            values = self.value_head(batch.input_ids, batch.attention_mask, hidden)
         out = compute_advantages(token_rewards=token_rewards, mask=mask, group_ids=batch.group_ids, cfg=algo,
                                  values=values, turn_ids=batch.turn_ids)
         same = batch.group_ids.unsqueeze(0) == batch.group_ids.unsqueeze(1)
@@ -237,7 +237,8 @@ class Trainer:
                                                  advantages=advantages[rows], mask=mb.action_mask, cfg=algo,
                                                  ref_logp=ref, entropy=out["entropy"])
                 if self.value_head is not None and old_values is not None:
-                    vloss, vmetrics = value_loss(self.value_head(out["hidden"]), old_values[rows], returns[rows],
+                    new_values = self.value_head(mb.input_ids, mb.attention_mask, out["hidden"])
+                    vloss, vmetrics = value_loss(new_values, old_values[rows], returns[rows],
                                                  mb.action_mask, algo)
                     loss = loss + algo.value_coef * vloss
                     metrics.update(vmetrics)
