@@ -38,6 +38,7 @@ def test_keel_train_cli_smoke_writes_every_output(model_dir, tmp_path):
     rows = metrics(run_dir)
     assert [row["step"] for row in rows] == [0, 1, 2]
     assert "eval/success" in rows[0] and "eval/success" in rows[2]
+    assert rows[1]["train/lr"] == pytest.approx(1e-4) and rows[2]["train/lr"] == pytest.approx(2e-4)  # warmup 2
     for key in ("train/reward", "train/zero_advantage_frac", "policy/entropy", "policy/clip_frac",
                 "policy/is_weight_max", "policy/approx_kl", "policy/kl_ref", "time/tokens_per_s", "time/step_s"):
         assert key in rows[1], key

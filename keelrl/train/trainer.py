@@ -217,7 +217,7 @@ class Trainer:
         batch = collate(trajectories, self.pad_id).to(self.device)
         advantages, returns, old_values, ref_all, stats = self._advantages(batch)
         algo, train = self.cfg.algo, self.cfg.train
-        lr = train.lr * min(1.0, (step + 1) / max(1, train.warmup_steps)) if train.warmup_steps else train.lr
+        lr = train.lr * min(1.0, step / train.warmup_steps) if train.warmup_steps else train.lr  # step >= 1
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
