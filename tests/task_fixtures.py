@@ -1,4 +1,5 @@
-"""The lecture's retry_count task written out by hand, independent of the task generator."""
+"""Hand-written fixtures: the lecture's retry_count task (independent of the task generator)
+and a binary-search policy for the 1..16 guessing game."""
 
 from keelrl.envs.tasks import Check, Task, render_test_file
 
@@ -25,3 +26,12 @@ def retry_task() -> Task:
         entry_file="retry.py", entry_function="retry_count", test_file="test_retry.py",
         visible_tests=list(CHECKS), hidden_checks=list(CHECKS), reference_fix={"retry.py": FIXED},
         wrong_fix={"retry.py": WRONG}, brittle_phrase="is None")
+
+
+def binary_search_guess(prompt, turns):
+    """Policy for the 1..16 guessing game: halve the interval after each higher/lower."""
+    low, high = 1, 16
+    for turn in turns:
+        guess = int(turn.action.removeprefix("<call>guess ").removesuffix("</call>"))
+        low, high = (guess + 1, high) if turn.observation == "higher" else (low, guess - 1)
+    return f"<call>guess {(low + high) // 2}</call>"

@@ -20,7 +20,7 @@ from keelrl.envs.base import CheckResult, EnvCheckError, Grade, check_env, run_e
 from keelrl.envs.coding import CODING_TOOLS, CodingEnv, count_occurrences, split_lines
 from keelrl.envs.guess import GuessEnv, GuessTask
 from keelrl.envs.tools import ActionError, describe_tools, parse_action
-from task_fixtures import BUGGY, CONSTANT_ZERO, FIXED, WRONG, retry_task
+from task_fixtures import BUGGY, CONSTANT_ZERO, FIXED, WRONG, binary_search_guess, retry_task
 
 needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 
@@ -532,17 +532,11 @@ def test_check_env_lists_every_problem_of_a_broken_env(env, problems):
 
 # -- run_episode ------------------------------------------------------------------------------
 
-def _binary_search(prompt, turns):
-    low, high = 1, 16
-    for turn in turns:
-        guess = int(turn.action.removeprefix("<call>guess ").removesuffix("</call>"))
-        low, high = (guess + 1, high) if turn.observation == "higher" else (low, guess - 1)
-    return f"<call>guess {(low + high) // 2}</call>"
 
 
 def test_run_episode_records_a_submitted_episode():
     env = GuessEnv(max_turns=5)
-    episode = run_episode(env, GuessTask("guess-a", secret=11, n=16), _binary_search)
+    episode = run_episode(env, GuessTask("guess-a", secret=11, n=16), binary_search_guess)
     assert episode.termination == "submitted" and episode.task_id == "guess-a"
     assert episode.prompt.startswith("I picked a number between 1 and 16")
     # 8 -> higher, 12 -> lower, 10 -> higher, 11 -> correct

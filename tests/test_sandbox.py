@@ -412,11 +412,12 @@ while True:
     assert _host_processes_with(marker) == []
 
 
-def test_daemon_does_not_outlive_the_run(sandbox: Sandbox) -> None:
-    marker = f"daemon-{uuid.uuid4().hex}"
-    program = """
+def _daemon_program(heartbeat: str) -> str:
+    """A program that double-forks a setsid daemon (its argv carries the run's marker) which
+    appends to `heartbeat` every 20 ms, then waits 0.3 s so the daemon has written."""
+    return f"""
 import os, sys, time
-beat = "import time\\nwhile True:\\n    open('/tmp/heartbeat', 'a').write('beat\\\\n')\\n    time.sleep(0.02)\\n"
+beat = "import time\\nwhile True:\\n    open('{heartbeat}', 'a').write('beat\\\\n')\\n    time.sleep(0.02)\\n"
 if os.fork() == 0:
     os.setsid()
     if os.fork() == 0:
@@ -424,8 +425,12 @@ if os.fork() == 0:
     os._exit(0)
 os.wait()
 time.sleep(0.3)
-print(open("/tmp/heartbeat").read().count("beat"))
 """
+
+
+def test_daemon_does_not_outlive_the_run(sandbox: Sandbox) -> None:
+    marker = f"daemon-{uuid.uuid4().hex}"
+    program = _daemon_program("/tmp/heartbeat") + 'print(open("/tmp/heartbeat").read().count("beat"))\n'
     result = _run(sandbox, program, marker)
     assert result.status == "ok", result.verdict()
     assert int(result.stdout) > 0  # the daemon really ran
@@ -724,17 +729,7 @@ def test_without_namespaces_a_setsid_daemon_is_still_killed(monkeypatch: pytest.
     box = Sandbox(LIMITS, use_namespaces=False)
     marker = f"daemon-{uuid.uuid4().hex}"
     heartbeat = Path("/tmp") / f"keel-test-{marker}"  # the host's /tmp: this mode shares it
-    program = f"""
-import os, sys, time
-beat = "import time\\nwhile True:\\n    open('{heartbeat}', 'a').write('beat\\\\n')\\n    time.sleep(0.02)\\n"
-if os.fork() == 0:
-    os.setsid()
-    if os.fork() == 0:
-        os.execv(sys.executable, [sys.executable, "-c", beat, sys.argv[1]])
-    os._exit(0)
-os.wait()
-time.sleep(0.3)
-"""
+    program = _daemon_program(str(heartbeat))
     try:
         result = _run(box, program, marker)
         assert result.status == "ok", result.verdict()

@@ -14,7 +14,7 @@ from keelrl.envs.base import CheckResult, run_episode
 from keelrl.envs.coding import CodingEnv
 from keelrl.envs.guess import GuessEnv, GuessTask, guess_tasks
 from keelrl.envs.teacher import ScriptedTeacher, edit_action
-from task_fixtures import BUGGY, FIXED, WRONG, retry_task
+from task_fixtures import BUGGY, FIXED, WRONG, binary_search_guess, retry_task
 
 READ, TEST, SUBMIT = "<call>read</call>", "<call>test</call>", "<call>submit</call>"
 TO_WRONG = '<call>replace 2\n    return config.get("retries", 3)\n</call>'
@@ -194,18 +194,12 @@ def test_a_guess_task_with_its_secret_out_of_range_is_rejected(secret):
         GuessTask("g", secret=secret, n=16)
 
 
-def _binary_search(prompt, turns):
-    low, high = 1, 16
-    for turn in turns:
-        guess = int(turn.action.removeprefix("<call>guess ").removesuffix("</call>"))
-        low, high = (guess + 1, high) if turn.observation == "higher" else (low, guess - 1)
-    return f"<call>guess {(low + high) // 2}</call>"
 
 
 @pytest.mark.parametrize("secret", range(1, 17))
 def test_binary_search_always_finds_the_secret_within_log2_n_plus_one_turns(secret):
     env = GuessEnv(max_turns=5)  # ceil(log2(16)) + 1 = 5
-    episode = run_episode(env, GuessTask(f"g{secret}", secret=secret, n=16), _binary_search)
+    episode = run_episode(env, GuessTask(f"g{secret}", secret=secret, n=16), binary_search_guess)
     assert episode.termination == "submitted" and len(episode.turns) <= 5
     assert episode.grade.reward == 1.0 and episode.grade.success
     assert episode.grade.checks == (CheckResult("found", True, ""),) and episode.grade.verifier == "guess"
