@@ -120,8 +120,8 @@ def test_teacher_demonstrations_and_model_rollouts_collate_into_aligned_tensors(
     assert all(d.success and d.reward == 1.0 for d in demos)
     assert "FAIL test_none" in demos[0].observations[2]  # the lecture's mistake, then recovery
     rollouts = run_episodes(lambda: CodingEnv(max_turns=2, use_git=False), [task] * 3, tokenizer,
-                            model_actor(model, tokenizer, SamplingConfig(max_new_tokens=8), seed=1),
-                            RolloutConfig(max_turns=2), group_ids=[5, 5, 5])
+                            model_actor(model, tokenizer, SamplingConfig(max_new_tokens=8)),
+                            RolloutConfig(max_turns=2), group_ids=[5, 5, 5], seed=1)
     batch = collate(demos + rollouts, tokenizer.pad_token_id)
     for row, trajectory in enumerate(demos + rollouts):
         n = len(trajectory.token_ids)

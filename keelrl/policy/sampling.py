@@ -38,14 +38,69 @@ class Sample:
     """stop (a stop string or end token) | length (max_new_tokens)."""
 
 
+class _InverseCdfSampler:
+    """A logits processor that draws each row's token itself, from that row's own uniforms.
+
+    Given raw scores [B, V] at generation position t, it applies temperature and top-p, draws
+    row b's token by inverting the CDF at `uniforms[b, t]` (greedy when temperature is 0),
+    records its log-probability under that distribution, and returns scores that make the
+    chosen token the argmax, so `generate` runs greedily over our choices. A row's tokens thus
+    depend only on its own context, weights and uniforms, never on which other rows share the
+    batch or on the global RNG (which a learner thread may be using at the same time).
+    """
+
+    def __init__(self, cfg: SamplingConfig, uniforms: Tensor) -> None:
+        self.cfg = cfg
+        self.uniforms = uniforms  # [B, max_new_tokens], in (0, 1]
+        self.position = 0
+        self.logprobs: list[Tensor] = []
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        logits = scores.float()
+        if self.cfg.temperature > 0:
+            logits = logits / self.cfg.temperature
+            if self.cfg.top_p < 1.0:
+                sorted_logits, order = logits.sort(-1, descending=True)
+                probs = sorted_logits.softmax(-1)
+                drop = probs.cumsum(-1) - probs > self.cfg.top_p  # keeps the smallest prefix reaching top_p
+                logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+            logp = torch.log_softmax(logits, -1)
+            cdf = logp.exp().cumsum(-1)
+            u = self.uniforms[:, self.position].to(cdf.device).unsqueeze(-1) * cdf[:, -1:]
+            chosen = torch.searchsorted(cdf, u).clamp(max=logits.shape[-1] - 1).squeeze(-1)
+        else:
+            logp = torch.log_softmax(logits, -1)
+            chosen = logits.argmax(-1)
+        self.position += 1
+        self.logprobs.append(logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1))
+        forced = torch.full_like(scores, float("-inf"))
+        return forced.scatter(-1, chosen.unsqueeze(-1), 0.0)
+
+
+def draw_uniforms(generator: torch.Generator, count: int) -> Tensor:
+    """`count` uniforms in (0, 1] from `generator` (a zero would select a zero-probability token)."""
+    return 1.0 - torch.rand(count, generator=generator, dtype=torch.float64)
+
+
 @torch.no_grad()
 def sample(model: Any, tokenizer: Any, contexts: Sequence[Sequence[int]], cfg: SamplingConfig,
-           generator_seed: int | None = None) -> list[Sample]:
-    """Continue each token-id context; returns one Sample per context, in order."""
+           generator_seed: int | None = None, uniforms: Tensor | None = None) -> list[Sample]:
+    """Continue each token-id context; returns one Sample per context, in order.
+
+    Randomness: row b uses `uniforms[b]` ([B, >= max_new_tokens] in (0, 1]); without them, rows
+    draw from one generator seeded with `generator_seed` (random when None). With per-row
+    uniforms from per-episode generators, an episode's actions do not depend on its batch.
+    """
     if not contexts:
         return []
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id
+    if uniforms is None:
+        generator = torch.Generator()
+        generator.manual_seed(generator_seed if generator_seed is not None else int(torch.randint(2**62, ())))
+        uniforms = draw_uniforms(generator, len(contexts) * cfg.max_new_tokens).view(len(contexts), -1)
+    if uniforms.shape[0] != len(contexts) or uniforms.shape[1] < cfg.max_new_tokens:
+        raise ValueError(f"uniforms has shape {tuple(uniforms.shape)}; need [{len(contexts)}, >= {cfg.max_new_tokens}]")
     width = max(len(ids) for ids in contexts)
     input_ids = torch.full((len(contexts), width), pad, dtype=torch.long)
     attention = torch.zeros((len(contexts), width), dtype=torch.long)
@@ -57,20 +112,14 @@ def sample(model: Any, tokenizer: Any, contexts: Sequence[Sequence[int]], cfg: S
     end_token = tokenizer.convert_tokens_to_ids("<|end|>")
     if isinstance(end_token, int) and end_token != tokenizer.unk_token_id:
         end_ids.append(end_token)
-    if generator_seed is not None:
-        torch.manual_seed(generator_seed)
-    do_sample = cfg.temperature > 0
+    sampler = _InverseCdfSampler(cfg, uniforms)
     out = model.generate(
-        input_ids=input_ids, attention_mask=attention, do_sample=do_sample,
-        temperature=cfg.temperature if do_sample else None, top_p=cfg.top_p if do_sample else None,
-        top_k=0 if do_sample else None,
+        input_ids=input_ids, attention_mask=attention, do_sample=False, temperature=None, top_p=None, top_k=None,
         max_new_tokens=cfg.max_new_tokens, stop_strings=list(cfg.stop) or None, tokenizer=tokenizer,
-        return_dict_in_generate=True, output_scores=True, pad_token_id=pad, eos_token_id=end_ids,
-        suppress_tokens=[pad],
+        logits_processor=[sampler], pad_token_id=pad, eos_token_id=end_ids, suppress_tokens=[pad],
     )
-    new_tokens = out.sequences[:, width:]  # [B, N]
-    scores = torch.stack(out.scores, dim=1).float()  # [B, N, V]
-    logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+    new_tokens = out[:, width:] if isinstance(out, Tensor) else out.sequences[:, width:]  # [B, N]
+    logprobs = torch.stack(sampler.logprobs, dim=1)[:, :new_tokens.shape[1]]
     token_rows: list[list[int]] = new_tokens.cpu().tolist()
     logprob_rows: list[list[float]] = logprobs.cpu().tolist()
     samples = []

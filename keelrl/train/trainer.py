@@ -166,8 +166,8 @@ class Trainer:
                                   max_new_tokens=self.cfg.rollout.max_new_tokens)
         self.model.eval()
         trajectories = run_episodes(self._env(self.eval_verifier), tasks, self.tokenizer,
-                                    model_actor(self.model, self.tokenizer, sampling, seed=self.cfg.seed + 7919),
-                                    self._rollout_cfg(1))
+                                    model_actor(self.model, self.tokenizer, sampling),
+                                    self._rollout_cfg(1), seed=self.cfg.seed + 7919)
         return {"eval/success": sum(t.success for t in trajectories) / len(trajectories),
                 "eval/partial": sum(t.partial for t in trajectories) / len(trajectories),
                 "eval/tasks": len(trajectories)}
@@ -182,8 +182,9 @@ class Trainer:
         sampling = SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
         self.model.eval()
         return run_episodes(self._env(self.train_verifier), tasks, self.tokenizer,
-                            model_actor(self.model, self.tokenizer, sampling, seed=self.cfg.seed * 1000 + step),
-                            self._rollout_cfg(r.group_size), version=step, group_ids=groups)
+                            model_actor(self.model, self.tokenizer, sampling),
+                            self._rollout_cfg(r.group_size), version=step, group_ids=groups,
+                            seed=self.cfg.seed * 1000 + step)
 
     @torch.no_grad()
     def _advantages(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,

@@ -1,0 +1,332 @@
+"""The episode scheduler: many groups of episodes in flight, each advancing on its own.
+
+One scheduler drives one policy copy. Work arrives as `GroupRequest`s (a task, G attempts, a
+seed, and the oldest policy version allowed to start it). Each call of `run_once`:
+
+1. admits waiting requests whose `min_version` the held weights satisfy (in request order);
+2. collects finished environment work (resets, tool calls, gradings run in a thread pool);
+3. generates the next action of every episode that is waiting for one, in one batch, tagging
+   the turn with the version of the weights that produced it;
+4. hands back every group whose G episodes are all graded.
+
+An episode waiting on a slow tool call never holds up the others: the next generation batch
+takes whoever is ready. Sampling randomness is per episode (a generator seeded from the
+request's seed and the attempt number), so an episode's tokens depend on its task, its seed and
+the weights of each turn, not on which episodes happened to share a batch: a request run
+alone, in a synchronous step or in an asynchronous engine gives the same trajectory when the
+weights are the same.
+
+Weights: before each generation batch the scheduler calls `refresh()`, which loads the newest
+published weights, if any, and returns the version now held ("interruptible": an episode in
+flight continues under the new weights, each turn recording its version). With
+`interruptible=False` new weights are loaded only when no episode is in flight, and no request
+is admitted while newer weights wait, so every episode finishes under the weights it began with.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from keelrl.rollout.trajectory import Trajectory
+
+
+@dataclass(frozen=True)
+class GroupRequest:
+    """G attempts at one task, started no earlier than policy version `min_version`."""
+
+    index: int
+    """Position in the request stream (batches are runs of consecutive indices)."""
+    task: Any
+    group_size: int
+    seed: int
+    """Episode a of the group samples from a generator seeded with (seed, a)."""
+    group_id: int = -1
+    """Group id written into the trajectories (the index when negative)."""
+    min_version: int = 0
+
+
+@dataclass
+class GroupResult:
+    """A finished group: its request and its G trajectories in attempt order."""
+
+    request: GroupRequest
+    trajectories: list[Trajectory]
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Episode limits for rollouts."""
+
+    group_size: int = 4
+    """Attempts per task (GRPO's G)."""
+    max_turns: int = 8
+    max_context_tokens: int = 3072
+    """An episode whose context would exceed this ends with termination 'context_limit'."""
+    env_threads: int = 4
+    """Threads running environment work (resets, tool calls, gradings)."""
+    interruptible: bool = True
+    """Load new weights between any two turns (False: only when no episode is in flight)."""
+
+
+OBSERVATION_PREFIX, OBSERVATION_SUFFIX = "<|end|><|tool|>", "<|end|><|assistant|>"
+
+
+def prompt_tokens(tokenizer: Any, first_observation: str) -> list[int]:
+    """The first observation as a chat prompt (the tokenizer's template, or a plain fallback)."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": first_observation}], tokenize=False,
+                                             add_generation_prompt=True)
+    else:
+        text = f"User: {first_observation}\nAssistant: "
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def observation_tokens(tokenizer: Any, observation: str) -> list[int]:
+    return list(tokenizer(OBSERVATION_PREFIX + observation + OBSERVATION_SUFFIX,
+                          add_special_tokens=False)["input_ids"])
+
+
+def episode_generator(seed: int, attempt: int) -> torch.Generator:
+    """The sampling generator of attempt `attempt` of a request with seed `seed`."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + attempt) % (2**63 - 1))
+
+
+@dataclass
+class Episode:
+    """One episode in flight (what an `ActFn` sees)."""
+
+    index: int
+    """Position among all episodes this scheduler has admitted (scripted actors key on it)."""
+    request: GroupRequest
+    attempt: int
+    env: Any
+    trajectory: Trajectory
+    generator: torch.Generator
+    turn: int = 0
+    started: float = 0.0
+    seconds: dict[str, float] = field(default_factory=lambda: {"generate": 0.0, "env": 0.0, "grade": 0.0})
+
+    @property
+    def task(self) -> Any:
+        return self.request.task
+
+
+ActFn = Callable[[Sequence[Episode]], list[tuple[list[int], list[float], str]]]
+"""Given the episodes waiting for an action, return (token ids, behaviour log-probs, text) for each."""
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since the last `take_stats`."""
+
+    generate_s: float = 0.0
+    """Time spent generating actions."""
+    idle_s: float = 0.0
+    """Time with no episode ready to act (waiting on tools, gradings, admission or requests)."""
+    in_flight_sum: float = 0.0
+    in_flight_max: int = 0
+    batches: int = 0
+    tokens_by_version: dict[int, int] = field(default_factory=dict)
+    admitted: int = 0
+
+
+class EpisodeScheduler:
+    """Runs `GroupRequest`s to completion with continuous batching (see the module docstring)."""
+
+    def __init__(self, make_env: Callable[[], Any], tokenizer: Any, act: ActFn, cfg: RolloutConfig,
+                 refresh: Callable[[], int] | None = None, has_newer: Callable[[], bool] | None = None) -> None:
+        self.make_env, self.tokenizer, self.act, self.cfg = make_env, tokenizer, act, cfg
+        self.version: int = 0
+        self.refresh = refresh or (lambda: self.version)
+        self.has_newer = has_newer or (lambda: False)
+        self.version = self.refresh()
+        self.pool = ThreadPoolExecutor(max_workers=max(1, cfg.env_threads), thread_name_prefix="keel-env")
+        self._incoming: deque[GroupRequest] = deque()
+        self._lock = threading.Lock()
+        self._waiting: deque[GroupRequest] = deque()
+        self._ready: list[Episode] = []
+        self._futures: dict[Future[Any], tuple[str, Episode]] = {}
+        self._groups: dict[int, list[Episode]] = {}
+        self._done: dict[int, list[Episode]] = {}
+        self._episodes_admitted = 0
+        self.stats = SchedulerStats()
+
+    # ------------------------------------------------------------------ intake
+    def submit(self, requests: Sequence[GroupRequest]) -> None:
+        """Queue requests (thread-safe); they start in order once their min_version holds."""
+        with self._lock:
+            self._incoming.extend(requests)
+
+    @property
+    def in_flight(self) -> int:
+        """Episodes admitted and not yet graded."""
+        return sum(len(episodes) for episodes in self._groups.values())
+
+    @property
+    def stalled(self) -> bool:
+        """True when nothing is in flight and no queued request may start under the held weights."""
+        with self._lock:
+            incoming = bool(self._incoming)
+        blocked = not self._waiting or self._waiting[0].min_version > self.version
+        return not incoming and blocked and not self._groups
+
+    def take_stats(self) -> SchedulerStats:
+        stats, self.stats = self.stats, SchedulerStats()
+        return stats
+
+    def close(self) -> None:
+        for future, (_, episode) in list(self._futures.items()):
+            future.cancel()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        for episodes in self._groups.values():
+            for episode in episodes:
+                if hasattr(episode.env, "close"):
+                    episode.env.close()
+
+    # ------------------------------------------------------------------ the loop
+    def _admit(self) -> None:
+        with self._lock:
+            self._waiting.extend(self._incoming)
+            self._incoming.clear()
+        if not self.cfg.interruptible and self.has_newer():
+            if not self._groups:
+                self.version = self.refresh()
+            else:
+                return  # finish the episodes in flight under the weights they began with
+        while self._waiting and self._waiting[0].min_version <= self.version:
+            request = self._waiting.popleft()
+            self._groups[request.index] = []
+            self.stats.admitted += 1
+            for attempt in range(request.group_size):
+                episode = Episode(index=self._episodes_admitted, request=request, attempt=attempt, env=self.make_env(),
+                                  trajectory=Trajectory(task_id=str(getattr(request.task, "id", request.task)),
+                                                        group_id=request.group_id if request.group_id >= 0
+                                                        else request.index),
+                                  generator=episode_generator(request.seed, attempt), started=time.monotonic())
+                self._episodes_admitted += 1
+                self._groups[request.index].append(episode)
+                self._futures[self.pool.submit(self._timed, episode.env.reset, request.task)] = ("reset", episode)
+
+    @staticmethod
+    def _timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+        tick = time.monotonic()
+        return fn(*args), time.monotonic() - tick
+
+    def _collect(self, timeout: float) -> list[GroupResult]:
+        """Handle finished environment work (waiting up to `timeout` s for some); returns finished groups."""
+        if not self._futures:
+            if timeout > 0:
+                time.sleep(timeout)
+            return []
+        finished, _ = wait(list(self._futures), timeout=timeout, return_when=FIRST_COMPLETED)
+        results = []
+        for future in finished:
+            kind, episode = self._futures.pop(future)
+            value, seconds = future.result()
+            trajectory = episode.trajectory
+            if kind == "reset":
+                episode.seconds["env"] += seconds
+                trajectory.extend(prompt_tokens(self.tokenizer, value), action=False, turn=0)
+                trajectory.prompt_length = len(trajectory.token_ids)
+                self._ready.append(episode)
+            elif kind == "step":
+                episode.seconds["env"] += seconds
+                self._after_step(episode, *value)
+            else:  # grade
+                episode.seconds["grade"] += seconds
+                result = self._after_grade(episode, value)
+                if result is not None:
+                    results.append(result)
+        return results
+
+    def _after_step(self, episode: Episode, observation: str, done: bool, info: dict[str, Any]) -> None:
+        trajectory = episode.trajectory
+        trajectory.observations.append(observation)
+        turn = episode.turn
+        episode.turn += 1
+        if done:
+            trajectory.termination = info.get("termination", "submitted")
+        else:
+            tokens = observation_tokens(self.tokenizer, observation)
+            if len(trajectory.token_ids) + len(tokens) + 16 > self.cfg.max_context_tokens:
+                trajectory.termination = "context_limit"
+            elif episode.turn >= self.cfg.max_turns:
+                trajectory.extend(tokens, action=False, turn=turn)
+                trajectory.termination = "max_turns"
+            else:
+                trajectory.extend(tokens, action=False, turn=turn)
+                self._ready.append(episode)
+                return
+        self._futures[self.pool.submit(self._timed, episode.env.grade)] = ("grade", episode)
+
+    def _after_grade(self, episode: Episode, grade: Any) -> GroupResult | None:
+        trajectory = episode.trajectory
+        trajectory.reward, trajectory.success, trajectory.partial = grade.reward, grade.success, grade.partial
+        trajectory.checks = [{"name": c.name, "passed": c.passed, "detail": c.detail} for c in grade.checks]
+        trajectory.seconds = {"total": time.monotonic() - episode.started, **episode.seconds}
+        if hasattr(episode.env, "close"):
+            episode.env.close()
+        index = episode.request.index
+        done = self._done.setdefault(index, [])
+        done.append(episode)
+        if len(done) < episode.request.group_size:
+            return None
+        del self._done[index], self._groups[index]
+        done.sort(key=lambda e: e.attempt)
+        return GroupResult(episode.request, [e.trajectory for e in done])
+
+    def _generate(self) -> None:
+        if self.cfg.interruptible:
+            self.version = self.refresh()
+        batch, self._ready = self._ready, []
+        tick = time.monotonic()
+        actions = self.act(batch)
+        seconds = time.monotonic() - tick
+        self.stats.generate_s += seconds
+        self.stats.batches += 1
+        for episode, (tokens, logprobs, text) in zip(batch, actions):
+            episode.seconds["generate"] += seconds
+            trajectory = episode.trajectory
+            trajectory.extend(tokens, action=True, turn=episode.turn, logprobs=logprobs)
+            trajectory.actions.append(text)
+            trajectory.versions.append(self.version)
+            counts = self.stats.tokens_by_version
+            counts[self.version] = counts.get(self.version, 0) + len(tokens)
+            self._futures[self.pool.submit(self._timed, episode.env.step, text)] = ("step", episode)
+
+    def run_once(self, timeout: float = 0.05) -> list[GroupResult]:
+        """One scheduling round (see the module docstring); waits up to `timeout` s when nothing is ready."""
+        self._admit()
+        in_flight = self.in_flight
+        self.stats.in_flight_sum += in_flight
+        self.stats.in_flight_max = max(self.stats.in_flight_max, in_flight)
+        if self._ready:
+            results = self._collect(0.0)
+            self._generate()
+            return results
+        tick = time.monotonic()
+        results = self._collect(timeout)
+        self.stats.idle_s += time.monotonic() - tick
+        return results
+
+    def run(self, requests: Sequence[GroupRequest]) -> list[GroupResult]:
+        """Run `requests` to completion in this thread; results in request order."""
+        self.submit(requests)
+        results: dict[int, GroupResult] = {}
+        while len(results) < len(requests):
+            for result in self.run_once():
+                results[result.request.index] = result
+            if len(results) < len(requests) and self.stalled:
+                self.version = self.refresh()
+                if self.stalled:
+                    missing = [r.index for r in requests if r.index not in results]
+                    raise RuntimeError(f"requests {missing[:5]} cannot start: their min_version is above the "
+                                       f"held weights' version {self.version}")
+        return [results[r.index] for r in requests]
