@@ -99,13 +99,33 @@ class RolloutSettings:
     """An episode ends when its context would grow past this."""
     env_threads: int = 4
     """Threads stepping environments (tool calls and gradings run in the sandbox)."""
+    engine: str = "async"
+    """Where rollouts run: sync (learner waits, nothing overlaps), async (a rollout thread keeps
+    generating while the learner updates) or ray (rollout workers as Ray actors)."""
+    max_staleness: int = 1
+    """Async/ray: at most this many learner updates between the oldest weights that produced a
+    trajectory and the update that trains on it (0 = synchronous). Ignored by sync."""
+    interruptible: bool = True
+    """Async/ray: an episode in flight continues under new weights from its next turn (each turn
+    records its version); false finishes it under the weights it started with."""
+    workers: int = 2
+    """Ray: number of rollout worker actors."""
+    worker_cpus: float = 1.0
+    """Ray: CPUs reserved per rollout worker actor."""
 
     def __post_init__(self) -> None:
+        from keelrl.rollout.engines import ENGINES
+
         _positive(tasks_per_step=self.tasks_per_step, group_size=self.group_size,
                   temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
-                  max_context_tokens=self.max_context_tokens, env_threads=self.env_threads)
+                  max_context_tokens=self.max_context_tokens, env_threads=self.env_threads,
+                  workers=self.workers, worker_cpus=self.worker_cpus)
         if self.top_p > 1:
             raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.engine not in ENGINES:
+            raise ConfigError("engine", f"unknown engine {self.engine!r}; valid names: {', '.join(ENGINES)}")
+        if self.max_staleness < 0:
+            raise ConfigError("max_staleness", f"must be >= 0, got {self.max_staleness}")
 
 
 @dataclasses.dataclass

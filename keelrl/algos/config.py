@@ -81,6 +81,12 @@ class AlgoConfig:
     """DAPO: keep only groups with mixed rewards and resample until the batch is full."""
     max_log_ratio: float = FROM_PRESET
     """Log importance weights are clamped to +-this before exp, so weights stay finite."""
+    decoupled: bool = FROM_PRESET
+    """Decoupled objective for stale data: the clip rule's ratio is to the proximal policy (the
+    learner's weights when the batch arrives), and each token is weighted by its behaviour ->
+    proximal weight pi_prox / mu, truncated at behaviour_weight_cap."""
+    behaviour_weight_cap: float = FROM_PRESET
+    """Truncation of the decoupled objective's behaviour -> proximal weight."""
 
     def __post_init__(self) -> None:
         import keelrl.algos  # noqa: F401  (fills the registries)
@@ -116,6 +122,7 @@ class AlgoConfig:
         _in_range("max_log_ratio", self.max_log_ratio, 1e-6, MAX_LOG_RATIO_LIMIT)
         _in_range("dual_clip_c", self.dual_clip_c, 1.0 + 1e-9, None)
         _in_range("tis_cap", self.tis_cap, 1e-12, None)
+        _in_range("behaviour_weight_cap", self.behaviour_weight_cap, 1.0, None)
         if self.value_clip is not None:
             _in_range("value_clip", self.value_clip, 1e-12, None)
         if self.agg_constant is not None and not self.agg_constant > 0:

@@ -322,8 +322,14 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
 
 def policy_objective(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
                      cfg: "AlgoConfig", ref_logp: Tensor | None = None,
-                     entropy: Tensor | None = None) -> tuple[Tensor, Metrics]:
+                     entropy: Tensor | None = None, prox_logp: Tensor | None = None) -> tuple[Tensor, Metrics]:
     """All [B, T] -> (loss, metrics): policy loss + beta KL - alpha entropy.
+
+    `old_logp` is the behaviour policy mu's log-probs, recorded at sampling. With
+    `cfg.decoupled` (Fu et al. 2025) `prox_logp` must hold the proximal policy's log-probs (the
+    learner's weights when the batch arrived): the clip rule then acts on pi / pi_prox, and
+    each token's advantage is scaled by the constant w = min(pi_prox / mu, behaviour_weight_cap).
+    Every clip rule is positively homogeneous in A, so this is the per-token loss times w.
 
     The KL term is added only when `cfg.kl_coef > 0`, `ref_logp` is given and the KL is not
     already in the reward (`cfg.kl_in_reward`). `entropy` (per token, e.g. from
@@ -332,7 +338,20 @@ def policy_objective(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask
     if ref_logp is None and cfg.kl_coef > 0 and not cfg.kl_in_reward:
         raise ValueError(f"cfg.kl_coef={cfg.kl_coef} puts a KL term in the loss, but ref_logp is None; "
                          f"pass the reference model's log-probs or set kl_coef=0")
+    weight_metrics: Metrics = {}
+    if cfg.decoupled:
+        if prox_logp is None:
+            raise ValueError("cfg.decoupled needs prox_logp: the proximal policy's log-probs of the batch")
+        log_w = token_log_ratio(prox_logp.detach(), old_logp, mask).clamp(-cfg.max_log_ratio, cfg.max_log_ratio)
+        raw = torch.exp(log_w)
+        weight = raw.clamp(max=cfg.behaviour_weight_cap)
+        weight_metrics = {"policy/behaviour_weight_mean": masked_mean(raw, mask),
+                          "policy/behaviour_weight_max": masked_max(raw, mask),
+                          "policy/behaviour_weight_trunc_frac": masked_mean((raw > weight).to(raw.dtype), mask)}
+        advantages = advantages.detach().to(weight.dtype) * masked_fill_zero(weight, mask)
+        old_logp = prox_logp.detach()
     loss, metrics = POLICY_LOSSES.get(cfg.clip)(logp, old_logp, advantages, mask, cfg)
+    metrics.update(weight_metrics)
     if ref_logp is not None:
         kl = kl_penalty(logp, ref_logp, mask, cfg.kl_estimator)
         metrics["policy/kl_ref"] = masked_mean(kl.detach(), mask)

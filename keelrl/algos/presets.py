@@ -37,6 +37,8 @@ BASE_SETTINGS: Mapping[str, Any] = MappingProxyType({
     "agg_constant": None,
     "dynamic_sampling": False,
     "max_log_ratio": 20.0,
+    "decoupled": False,
+    "behaviour_weight_cap": 2.0,
 })
 
 
@@ -83,6 +85,9 @@ _PRESET_LIST = [
            {"advantage": "grpo", "ratio": "ctpo", "eps_low": 0.2, "eps_high": 0.28,
             "aggregation": "token_mean"},
            note="prefix ratio with PPO clip-higher; clip widths are ours"),
+    Preset("decoupled", "Fu et al. 2025 (AReaL)",
+           {"advantage": "grpo", "aggregation": "seq_mean_token_mean", "decoupled": True},
+           note="for asynchronous rollouts: PPO clip of pi / pi_prox, times pi_prox / mu truncated at 2 (ours)"),
 ]
 
 PRESETS: Mapping[str, Preset] = MappingProxyType({})
@@ -128,7 +133,9 @@ def comparison_table() -> list[dict[str, Any]]:
             "credit": credit,
             "token_weighting": f"{RATIOS.entry(cfg.ratio).summary}; "
                                f"{AGGREGATIONS.entry(cfg.aggregation).summary}",
-            "update_limit": describe_clip(cfg),
+            "update_limit": describe_clip(cfg) + (
+                f"; decoupled: ratio to the proximal policy, behaviour weight <= {cfg.behaviour_weight_cap:g}"
+                if cfg.decoupled else ""),
             "kl": kl,
             "dynamic_sampling": bool(cfg.dynamic_sampling),
             "critic": cfg.uses_critic,

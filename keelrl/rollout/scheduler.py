@@ -195,7 +195,10 @@ class EpisodeScheduler:
         with self._lock:
             self._waiting.extend(self._incoming)
             self._incoming.clear()
-        if not self.cfg.interruptible and self.has_newer():
+        if self.cfg.interruptible:
+            if self._waiting and self._waiting[0].min_version > self.version:
+                self.version = self.refresh()  # nothing may be generating: new weights must still admit
+        elif self.has_newer():
             if not self._groups:
                 self.version = self.refresh()
             else:

@@ -40,6 +40,8 @@ from keelrl.policy.critic import build_critic
 from keelrl.policy.model import load_policy, resolve_device, token_logprobs
 from keelrl.policy.sampling import SamplingConfig
 from keelrl.rollout.agent_loop import RolloutConfig, model_actor, run_episodes, scripted_actor
+from keelrl.rollout.engines import LocalEngine, RolloutEngine, StepRollouts
+from keelrl.rollout.scheduler import GroupRequest
 from keelrl.rollout.trajectory import Batch, Trajectory, collate
 from keelrl.sandbox import Sandbox
 from keelrl.verifiers import DEFAULT_LIMITS, make_verifier
@@ -57,6 +59,26 @@ def load_task_splits(cfg: KeelConfig) -> tuple[list[Task], list[Task]]:
         raise ValueError(f"env.tasks {cfg.env.tasks!r} gives {len(train)} train and {len(heldout)} held-out tasks; "
                          f"both must be non-empty")
     return train, heldout
+
+
+class CodingEnvFactory:
+    """A picklable `make_env` for CodingEnv (Ray workers build their own sandbox and verifier)."""
+
+    def __init__(self, verifier: str, *, partial_credit: bool = True, max_turns: int = 6,
+                 show_tools: bool = False) -> None:
+        self.verifier, self.partial_credit = verifier, partial_credit
+        self.max_turns, self.show_tools = max_turns, show_tools
+        self._built: tuple[Sandbox, Any] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_built": None}
+
+    def __call__(self) -> CodingEnv:
+        if self._built is None:
+            sandbox = Sandbox(DEFAULT_LIMITS)
+            self._built = (sandbox, make_verifier(self.verifier, sandbox, partial_credit=self.partial_credit))
+        sandbox, verifier = self._built
+        return CodingEnv(verifier, sandbox=sandbox, max_turns=self.max_turns, show_tools=self.show_tools)
 
 
 class Trainer:
@@ -123,7 +145,44 @@ class Trainer:
     def _rollout_cfg(self, group_size: int) -> RolloutConfig:
         r = self.cfg.rollout
         return RolloutConfig(group_size=group_size, max_turns=self.cfg.env.max_turns,
-                             max_context_tokens=r.max_context_tokens, env_threads=r.env_threads)
+                             max_context_tokens=r.max_context_tokens, env_threads=r.env_threads,
+                             interruptible=r.interruptible)
+
+    def requests_for(self, step: int) -> list[GroupRequest]:
+        """The group requests of RL step `step`: a function of (seed, step) only."""
+        r = self.cfg.rollout
+        rng = random.Random(f"{self.cfg.seed}:step:{step}")
+        chosen = rng.sample(self.train_tasks, min(r.tasks_per_step, len(self.train_tasks)))
+        return [GroupRequest(index=(step - 1) * r.tasks_per_step + i, task=task, group_size=r.group_size,
+                             seed=(self.cfg.seed * 1_000_003 + step) * 1009 + i, group_id=i)
+                for i, task in enumerate(chosen)]
+
+    def train_env_factory(self) -> Callable[[], Any]:
+        """A picklable factory of training environments (override to wrap them, e.g. in bench/)."""
+        env = self.cfg.env
+        return CodingEnvFactory(env.verifier, partial_credit=env.partial_credit, max_turns=env.max_turns,
+                                show_tools=env.show_tools)
+
+    def make_engine(self) -> RolloutEngine:
+        """The configured rollout engine over this trainer's policy and training environment."""
+        r = self.cfg.rollout
+        sampling = SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
+        make_env = self.train_env_factory()
+        if r.engine == "ray":
+            from keelrl.rollout.ray_engine import RayEngine
+
+            return RayEngine(self.requests_for, model_path=self.cfg.model.path, tokenizer=self.tokenizer,
+                             make_env=make_env, sampling=sampling, rollout=self._rollout_cfg(r.group_size),
+                             max_staleness=r.max_staleness, workers=r.workers, worker_cpus=r.worker_cpus,
+                             seed=self.cfg.seed)
+        return LocalEngine(self.requests_for, model=self.model, tokenizer=self.tokenizer, make_env=make_env,
+                           sampling=sampling, rollout=self._rollout_cfg(r.group_size),
+                           asynchronous=r.engine == "async", max_staleness=r.max_staleness)
+
+    def publish(self, engine: RolloutEngine, version: int) -> None:
+        """Hand the engine a copy of the current weights as `version` (the sync engine shares them)."""
+        state = {} if engine.name == "sync" else {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        engine.publish(state, version)
 
     # ----------------------------------------------------------------- warm start
     def warm_start(self) -> dict[str, float]:
@@ -173,25 +232,23 @@ class Trainer:
                 "eval/tasks": len(trajectories)}
 
     # ----------------------------------------------------------------- RL
-    def rollouts(self, step: int) -> list[Trajectory]:
-        r = self.cfg.rollout
-        rng = random.Random(f"{self.cfg.seed}:step:{step}")
-        chosen = rng.sample(self.train_tasks, min(r.tasks_per_step, len(self.train_tasks)))
-        tasks = [task for task in chosen for _ in range(r.group_size)]
-        groups = [index for index in range(len(chosen)) for _ in range(r.group_size)]
-        sampling = SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
-        self.model.eval()
-        return run_episodes(self._env(self.train_verifier), tasks, self.tokenizer,
-                            model_actor(self.model, self.tokenizer, sampling),
-                            self._rollout_cfg(r.group_size), version=step, group_ids=groups,
-                            seed=self.cfg.seed * 1000 + step)
-
     @torch.no_grad()
     def _advantages(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
-                                                 torch.Tensor | None, dict[str, float]]:
-        """-> (advantages, returns, old values, reference log-probs, batch statistics)."""
+                                                 torch.Tensor | None, torch.Tensor, dict[str, float]]:
+        """-> (advantages, returns, old values, reference log-probs, proximal log-probs, statistics).
+
+        The proximal log-probs are the learner's, before this step's update: the decoupled
+        objective's pi_prox, and (against the behaviour log-probs) a measure of how off-policy
+        the batch arrived.
+        """
         algo = self.cfg.algo
         mask = batch.action_mask
+        prox_out = token_logprobs(self.model, batch.input_ids, batch.attention_mask,
+                                  with_hidden=self.value_head is not None)
+        prox_logp = prox_out["logp"]
+        log_w = (prox_logp - batch.behaviour_logprobs).masked_fill(~mask, 0.0).clamp(-algo.max_log_ratio,
+                                                                                     algo.max_log_ratio)
+        arrival = torch.exp(log_w)
         token_rewards = outcome_to_token_rewards(batch.rewards, mask)
         ref_logp = None
         if self.reference is not None:
@@ -201,22 +258,24 @@ class Trainer:
                                                   algo.kl_coef, algo.kl_estimator)
         values = None
         if self.value_head is not None:
-            hidden = token_logprobs(self.model, batch.input_ids, batch.attention_mask, with_hidden=True)["hidden"]
-            values = self.value_head(batch.input_ids, batch.attention_mask, hidden)
+            values = self.value_head(batch.input_ids, batch.attention_mask, prox_out["hidden"])
         out = compute_advantages(token_rewards=token_rewards, mask=mask, group_ids=batch.group_ids, cfg=algo,
                                  values=values, turn_ids=batch.turn_ids)
         same = batch.group_ids.unsqueeze(0) == batch.group_ids.unsqueeze(1)
         spread = torch.where(same, batch.rewards.unsqueeze(0), float("nan"))
         mixed = (spread.nan_to_num(-1e9).amax(1) != spread.nan_to_num(1e9).amin(1)).float()
-        stats = {"train/zero_advantage_frac": 1.0 - mixed.mean().item()}
-        return out.advantages, out.returns, values, ref_logp, stats
+        stats = {"train/zero_advantage_frac": 1.0 - mixed.mean().item(),
+                 "rollout/arrival_is_weight_mean": (arrival * mask).sum().item() / max(1, int(mask.sum())),
+                 "rollout/arrival_is_weight_max": arrival.masked_fill(~mask, 0.0).max().item()}
+        return out.advantages, out.returns, values, ref_logp, prox_logp, stats
 
-    def rl_step(self, step: int) -> dict[str, Any]:
-        started = time.monotonic()
-        trajectories = self.rollouts(step)
-        rollout_seconds = time.monotonic() - started
+    def rl_step(self, step: int, rollouts: StepRollouts, started: float | None = None) -> dict[str, Any]:
+        """One update from `rollouts` (the engine's batch for `step`); returns the step's metrics row."""
+        started = time.monotonic() if started is None else started
+        trajectories = rollouts.trajectories
+        learn_started = time.monotonic()
         batch = collate(trajectories, self.pad_id).to(self.device)
-        advantages, returns, old_values, ref_all, stats = self._advantages(batch)
+        advantages, returns, old_values, ref_all, prox_all, stats = self._advantages(batch)
         algo, train = self.cfg.algo, self.cfg.train
         lr = train.lr * min(1.0, step / train.warmup_steps) if train.warmup_steps else train.lr  # step >= 1
         for group in self.optimizer.param_groups:
@@ -236,7 +295,7 @@ class Trainer:
                 ref = None if ref_all is None or algo.kl_in_reward else ref_all[rows]
                 loss, metrics = policy_objective(logp=out["logp"], old_logp=mb.behaviour_logprobs,
                                                  advantages=advantages[rows], mask=mb.action_mask, cfg=algo,
-                                                 ref_logp=ref, entropy=out["entropy"])
+                                                 ref_logp=ref, entropy=out["entropy"], prox_logp=prox_all[rows])
                 if self.value_head is not None and old_values is not None:
                     new_values = self.value_head(mb.input_ids, mb.attention_mask, out["hidden"])
                     vloss, vmetrics = value_loss(new_values, old_values[rows], returns[rows],
@@ -263,6 +322,8 @@ class Trainer:
         tokens = int(batch.attention_mask.sum())
         row: dict[str, Any] = {key: value / max(1, updates) for key, value in sums.items()}
         row.update(stats)
+        row.update(rollouts.metrics)
+        learn_seconds = time.monotonic() - learn_started
         row.update({
             "train/reward": sum(t.reward for t in trajectories) / len(trajectories),
             "train/success": sum(t.success for t in trajectories) / len(trajectories),
@@ -271,7 +332,8 @@ class Trainer:
             "train/action_tokens": sum(t.num_action_tokens for t in trajectories) / len(trajectories),
             "train/turns": sum(len(t.actions) for t in trajectories) / len(trajectories),
             "train/updates": updates, "train/skipped_updates": skipped, "train/lr": lr,
-            "time/step_s": seconds, "time/rollout_s": rollout_seconds,
+            "time/step_s": seconds, "time/learn_s": learn_seconds,
+            "time/learner_util": learn_seconds / max(seconds, 1e-9),
             "time/tokens_per_s": tokens / max(seconds, 1e-9),
         })
         self._write_samples(step, trajectories)
@@ -339,19 +401,29 @@ class Trainer:
             logger.log(0, {**warm, **before})
             self.progress("eval", {"step": 0, **before})
         total = self.cfg.train.steps
-        while self.step < total:
-            if stop_after is not None and self.step >= stop_after:
-                break
-            step = self.step + 1
-            row = self.rl_step(step)
-            if step % self.cfg.train.eval_every == 0 or step == total:
-                row.update(self.evaluate())
-            self.step = step
-            logger.log(step, row)
-            self.progress("step", {"step": step, "total": total, **row})
-            if step % self.cfg.train.checkpoint_every == 0 or step == total:
-                self.save_checkpoint()
-        logger.close()
+        engine = self.make_engine()
+        try:
+            if engine.name != "sync":
+                self.publish(engine, self.step)
+            engine.start(self.step)
+            while self.step < total:
+                if stop_after is not None and self.step >= stop_after:
+                    break
+                step = self.step + 1
+                started = time.monotonic()
+                rollouts = engine.batch(step)
+                row = self.rl_step(step, rollouts, started)
+                self.publish(engine, step)
+                if step % self.cfg.train.eval_every == 0 or step == total:
+                    row.update(self.evaluate())
+                self.step = step
+                logger.log(step, row)
+                self.progress("step", {"step": step, "total": total, **row})
+                if step % self.cfg.train.checkpoint_every == 0 or step == total:
+                    self.save_checkpoint()
+        finally:
+            engine.close()
+            logger.close()
         if self.step >= total:
             last = [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines()]
             evals = [row["eval/success"] for row in last if "eval/success" in row]
