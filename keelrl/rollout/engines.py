@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 from keelrl.policy.sampling import SamplingConfig
 from keelrl.rollout.agent_loop import model_actor
-from keelrl.rollout.scheduler import EpisodeScheduler, GroupRequest, GroupResult, RolloutConfig, SchedulerStats
+from keelrl.rollout.scheduler import ActFn, EpisodeScheduler, GroupRequest, GroupResult, RolloutConfig, SchedulerStats
 from keelrl.rollout.trajectory import Trajectory
 
 ENGINES = ("sync", "async", "ray")
@@ -124,7 +124,9 @@ class LocalEngine(RolloutEngine):
     """`sync` (in the caller's thread, learner's weights) or `async` (a rollout thread, own weights)."""
 
     def __init__(self, requests_for: RequestsFor, *, model: Any, tokenizer: Any, make_env: Callable[[], Any],
-                 sampling: SamplingConfig, rollout: RolloutConfig, asynchronous: bool, max_staleness: int = 1) -> None:
+                 sampling: SamplingConfig, rollout: RolloutConfig, asynchronous: bool, max_staleness: int = 1,
+                 act_for: Callable[[Any], ActFn] | None = None) -> None:
+        """`act_for(model)` builds the actor over the engine's policy copy (default: sample from it)."""
         super().__init__(requests_for, max_staleness if asynchronous else 0)
         self.name = "async" if asynchronous else "sync"
         self.asynchronous = asynchronous
@@ -134,8 +136,9 @@ class LocalEngine(RolloutEngine):
         self._lock = threading.Condition()
         self._pending: tuple[dict[str, Any], int] | None = None
         self._held = 0
-        self.scheduler = EpisodeScheduler(make_env, tokenizer, model_actor(self.model, tokenizer, sampling), rollout,
-                                          refresh=self._refresh, has_newer=self._has_newer)
+        act = act_for(self.model) if act_for is not None else model_actor(self.model, tokenizer, sampling)
+        self.scheduler = EpisodeScheduler(make_env, tokenizer, act, rollout, refresh=self._refresh,
+                                          has_newer=self._has_newer)
         self._results: dict[int, GroupResult] = {}
         self._error: BaseException | None = None
         self._stop = threading.Event()

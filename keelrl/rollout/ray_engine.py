@@ -1,0 +1,223 @@
+"""The `ray` rollout engine: rollout workers as Ray actors, on any number of CPUs or machines.
+
+Each worker actor loads the policy from `model_path` (a path every node can read), runs an
+`EpisodeScheduler` in a background thread, and takes weights from the learner through the
+object store: `publish` puts one copy of the state dict there and hands every worker the
+reference. A worker admits a request only once it holds weights at least as new as the
+request's `min_version`, exactly like the local engines, so the staleness bound holds across
+machines.
+
+Requests are spread over workers (fewest outstanding first). The driver remembers every
+request a worker has not yet returned; when a worker dies (a node lost, an OOM kill,
+`ray.kill`), a fresh actor replaces it, receives the latest weights and the dead worker's
+outstanding requests are re-queued on it: nothing is lost, and each re-run request samples
+from the same seeds.
+
+`ray.init()` connects to an existing cluster when RAY_ADDRESS is set, else starts a local one;
+an engine that started Ray shuts it down on close.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from keelrl.policy.sampling import SamplingConfig
+from keelrl.rollout.engines import RequestsFor, RolloutEngine, StepRollouts, staleness_metrics
+from keelrl.rollout.scheduler import EpisodeScheduler, GroupRequest, GroupResult, RolloutConfig, SchedulerStats
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker process needs to build its policy copy and environments (picklable)."""
+
+    model_path: str
+    make_env: Callable[[], Any]
+    sampling: SamplingConfig
+    rollout: RolloutConfig
+    device: str = "cpu"
+    torch_threads: int = 1
+
+
+class RolloutWorker:
+    """One rollout worker (a Ray actor's body; also usable in-process)."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        import torch
+
+        from keelrl.policy.model import load_policy
+        from keelrl.rollout.agent_loop import model_actor
+
+        torch.set_num_threads(max(1, spec.torch_threads))
+        self.model, self.tokenizer = load_policy(spec.model_path, spec.device)
+        self.model.eval().requires_grad_(False)
+        self._lock = threading.Lock()
+        self._pending: tuple[dict[str, Any], int] | None = None
+        self._held = -1  # no weights from the learner yet: nothing may start
+        self.scheduler = EpisodeScheduler(spec.make_env, self.tokenizer,
+                                          model_actor(self.model, self.tokenizer, spec.sampling), spec.rollout,
+                                          refresh=self._refresh, has_newer=self._has_newer)
+        self._finished: list[GroupResult] = []
+        self._error: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="keel-ray-rollout", daemon=True)
+        self._thread.start()
+
+    def _has_newer(self) -> bool:
+        with self._lock:
+            return self._pending is not None
+
+    def _refresh(self) -> int:
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            state, version = pending
+            self.model.load_state_dict(state)
+            self._held = version
+        return self._held
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                finished = self.scheduler.run_once(timeout=0.01)
+                if finished:
+                    with self._lock:
+                        self._finished.extend(finished)
+        except BaseException as error:  # reported to the driver by poll()
+            import traceback
+
+            self._error = "".join(traceback.format_exception(error))
+
+    def set_weights(self, state: dict[str, Any], version: int) -> int:
+        with self._lock:
+            if self._pending is None or version > self._pending[1]:
+                self._pending = (state, version)
+        return version
+
+    def submit(self, requests: list[GroupRequest]) -> int:
+        self.scheduler.submit(requests)
+        return len(requests)
+
+    def poll(self) -> tuple[list[GroupResult], SchedulerStats]:
+        """Groups finished since the last poll, and the scheduler's counters since then."""
+        if self._error is not None:
+            raise RuntimeError(f"rollout worker loop failed:\n{self._error}")
+        with self._lock:
+            finished, self._finished = self._finished, []
+        return finished, self.scheduler.take_stats()
+
+    def version(self) -> int:
+        return self._held
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        self.scheduler.close()
+
+
+class RayEngine(RolloutEngine):
+    """Rollout workers as Ray actors (see the module docstring)."""
+
+    name = "ray"
+
+    def __init__(self, requests_for: RequestsFor, *, model_path: str, tokenizer: Any, make_env: Callable[[], Any],
+                 sampling: SamplingConfig, rollout: RolloutConfig, max_staleness: int = 1, workers: int = 2,
+                 worker_cpus: float = 1.0, seed: int = 0, poll_interval: float = 0.02) -> None:
+        import ray
+
+        super().__init__(requests_for, max_staleness)
+        from keelrl.policy.model import ensure_model_dir
+
+        self._ray = ray
+        self._started_ray = False
+        if not ray.is_initialized():
+            ray.init(log_to_driver=False)  # RAY_ADDRESS set: join that cluster; else start a local one
+            self._started_ray = True
+        self.spec = WorkerSpec(model_path=str(ensure_model_dir(model_path)), make_env=make_env, sampling=sampling,
+                               rollout=rollout, torch_threads=max(1, int(worker_cpus)))
+        self._actor_class = ray.remote(num_cpus=worker_cpus, max_restarts=0)(RolloutWorker)
+        self.actors = [self._spawn() for _ in range(workers)]
+        self.outstanding: list[dict[int, GroupRequest]] = [{} for _ in self.actors]
+        self._weights: tuple[Any, int] | None = None
+        self._results: dict[int, GroupResult] = {}
+        self.poll_interval = poll_interval
+        self.workers_replaced = 0
+
+    def _spawn(self) -> Any:
+        return self._actor_class.remote(self.spec)
+
+    def _replace(self, slot: int) -> None:
+        """Start a new actor in `slot`, give it the latest weights and the dead one's unfinished requests."""
+        try:
+            self._ray.kill(self.actors[slot])
+        except Exception:
+            pass
+        self.actors[slot] = self._spawn()
+        self.workers_replaced += 1
+        if self._weights is not None:
+            self.actors[slot].set_weights.remote(*self._weights)
+        lost = sorted(self.outstanding[slot].values(), key=lambda r: r.index)
+        if lost:
+            self.actors[slot].submit.remote(lost)
+
+    def publish(self, state: dict[str, Any], version: int) -> None:
+        super().publish(state, version)
+        ref = self._ray.put({name: tensor.detach().cpu() for name, tensor in state.items()})
+        self._weights = (ref, version)
+        for actor in self.actors:
+            actor.set_weights.remote(ref, version)
+
+    def _submit(self, requests: list[GroupRequest]) -> None:
+        for request in requests:
+            slot = min(range(len(self.actors)), key=lambda i: len(self.outstanding[i]))
+            self.outstanding[slot][request.index] = request
+            self.actors[slot].submit.remote([request])
+
+    def batch(self, step: int) -> StepRollouts:
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        tick = time.monotonic()
+        ahead = step + self.max_staleness
+        for future_step in range(max(self._submitted_through + 1, step), ahead + 1):
+            self._submit(self._requests(future_step))
+        self._submitted_through = max(self._submitted_through, ahead)
+        wanted = [r.index for r in self._requests(step)]
+        totals = SchedulerStats()
+        while not all(index in self._results for index in wanted):
+            for slot, actor in enumerate(list(self.actors)):
+                try:
+                    finished, stats = self._ray.get(actor.poll.remote(), timeout=120)
+                except (RayActorError, GetTimeoutError):
+                    self._replace(slot)
+                    continue
+                for result in finished:
+                    self.outstanding[slot].pop(result.request.index, None)
+                    self._results[result.request.index] = result
+                totals.generate_s += stats.generate_s
+                totals.idle_s += stats.idle_s
+                totals.in_flight_max = max(totals.in_flight_max, stats.in_flight_max)
+                totals.admitted += stats.admitted
+            time.sleep(self.poll_interval)
+        results = [self._results.pop(index) for index in wanted]
+        trajectories = [t for result in results for t in result.trajectories]
+        metrics = staleness_metrics(step, trajectories, self.max_staleness)
+        metrics.update({"time/rollout_generate_s": totals.generate_s, "time/rollout_idle_s": totals.idle_s,
+                        "engine/in_flight_max": float(totals.in_flight_max),
+                        "engine/groups_admitted": float(totals.admitted),
+                        "engine/workers": float(len(self.actors)),
+                        "engine/workers_replaced": float(self.workers_replaced),
+                        "time/learner_wait_s": time.monotonic() - tick})
+        return StepRollouts(trajectories, metrics)
+
+    def close(self) -> None:
+        for actor in self.actors:
+            try:
+                self._ray.get(actor.shutdown.remote(), timeout=30)
+            except Exception:
+                pass
+            self._ray.kill(actor)
+        self.actors = []
+        if self._started_ray:
+            self._ray.shutdown()

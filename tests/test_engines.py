@@ -1,0 +1,281 @@
+"""Rollout engines: the staleness bound, sync == async at zero staleness, behaviour log-probs
+against the weights that sampled them, and the decoupled objective."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from keelrl.algos import AlgoConfig, policy_objective
+from keelrl.config import load_config
+from keelrl.envs.base import CheckResult, Grade
+from keelrl.errors import ConfigError
+from keelrl.policy.model import load_policy
+from keelrl.policy.sampling import SamplingConfig
+from keelrl.policy.tiny import TinyModelSpec, save_tiny_default
+from keelrl.rollout.engines import LocalEngine, staleness_metrics
+from keelrl.rollout.scheduler import GroupRequest, RolloutConfig
+from keelrl.train.trainer import Trainer
+
+SMALL = TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, max_positions=2048)
+
+
+class ByteTokenizer:
+    """Enough of a tokenizer for the scheduler: one id per byte."""
+
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": list(text.encode())}
+
+
+class LatencyEnv:
+    """An episode of `turns[task]` steps, each sleeping the latency the schedule gives it."""
+
+    def __init__(self, latency, turns):
+        self.latency, self.turns = latency, turns
+
+    def reset(self, task):
+        self.task, self.turn = task, 0
+        return f"task {task}"
+
+    def step(self, action):
+        time.sleep(self.latency(self.task, self.turn))
+        self.turn += 1
+        return "ok", self.turn >= self.turns(self.task), {"termination": "submitted"}
+
+    def grade(self):
+        return Grade(1.0, (CheckResult("done", True),))
+
+
+def versions_actor(model):
+    """Acts without a language model: one token whose id is the version-stamped weight."""
+
+    def act(active):
+        return [([int(model.weight.item())], [0.0], "a") for _ in active]
+
+    return act
+
+
+def run_fake_learner(engine, steps, learn_seconds, model):
+    """Consume each step's batch, then 'update' (the weight becomes the version) and publish."""
+    engine.start(0)
+    out = []
+    for step in range(1, steps + 1):
+        rollouts = engine.batch(step)
+        out.append(rollouts)
+        time.sleep(learn_seconds[step - 1])
+        with torch.no_grad():
+            model.weight.fill_(step)
+        engine.publish({"weight": model.weight.detach().clone(), "bias": model.bias.detach().clone()}, step)
+    engine.close()
+    return out
+
+
+@settings(max_examples=25)
+@given(seed=st.integers(0, 10**6), max_staleness=st.integers(0, 3), interruptible=st.booleans(),
+       steps=st.integers(1, 5), groups=st.integers(1, 3))
+def test_staleness_never_exceeds_the_bound_and_every_request_arrives_once(seed, max_staleness, interruptible,
+                                                                         steps, groups):
+    rng = random.Random(seed)
+    latencies = {(task, turn): rng.choice([0.0, 0.0005, 0.002, 0.01]) for task in range(100) for turn in range(4)}
+    turns = {task: rng.randint(1, 4) for task in range(100)}
+    learn_seconds = [rng.choice([0.0, 0.003, 0.015]) for _ in range(steps)]
+
+    def requests_for(step):
+        return [GroupRequest(index=(step - 1) * groups + i, task=(step - 1) * groups + i, group_size=2, seed=i)
+                for i in range(groups)]
+
+    model = torch.nn.Linear(1, 1)
+    with torch.no_grad():
+        model.weight.fill_(0)
+    engine = LocalEngine(requests_for, model=model, tokenizer=ByteTokenizer(),
+                         make_env=lambda: LatencyEnv(lambda t, k: latencies[(t, k)], lambda t: turns[t]),
+                         sampling=SamplingConfig(), rollout=RolloutConfig(max_turns=4, env_threads=8,
+                                                                          interruptible=interruptible),
+                         asynchronous=True, max_staleness=max_staleness, act_for=versions_actor)
+    results = run_fake_learner(engine, steps, learn_seconds, model)
+    for step, rollouts in enumerate(results, start=1):
+        trajectories = rollouts.trajectories
+        assert [t.task_id for t in trajectories] == [str(r.task) for r in requests_for(step) for _ in range(2)]
+        for t in trajectories:
+            # The weights that acted are the versions recorded (the fake actor emits its weight).
+            assert [tok for tok, m in zip(t.token_ids, t.action_mask) if m] == t.versions
+            assert t.versions == sorted(t.versions) and len(t.versions) == turns[int(t.task_id)]
+            assert 0 <= (step - 1) - min(t.versions) <= max_staleness
+            assert max(t.versions) <= step - 1
+            if not interruptible:
+                assert len(set(t.versions)) == 1
+        assert rollouts.metrics["rollout/staleness_max"] <= max_staleness
+
+
+def test_staleness_metrics_count_trajectories_and_tokens_per_lag():
+    from keelrl.rollout.trajectory import Trajectory
+
+    a = Trajectory("a", 0)
+    a.extend([1], action=False, turn=0)
+    a.extend([2, 3], action=True, turn=0, logprobs=[0.0, 0.0])
+    a.extend([4, 5, 6], action=True, turn=1, logprobs=[0.0] * 3)
+    a.versions = [3, 4]
+    b = Trajectory("b", 0)
+    b.extend([7], action=True, turn=0, logprobs=[0.0])
+    b.versions = [5]
+    m = staleness_metrics(6, [a, b], max_staleness=2)  # learner version 5
+    assert m["rollout/staleness_max"] == 2 and m["rollout/staleness_mean"] == 1.0
+    assert m["rollout/staleness_frac_0"] == 0.5 and m["rollout/staleness_frac_2"] == 0.5
+    assert m["rollout/token_share_lag_0"] == pytest.approx(1 / 6)
+    assert m["rollout/token_share_lag_1"] == pytest.approx(3 / 6)
+    assert m["rollout/token_share_lag_2"] == pytest.approx(2 / 6)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_default(tmp_path_factory.mktemp("model"), SMALL)
+
+
+FAST = ["train.eval_tasks=2", "warm_start.demos=4", "warm_start.epochs=1", "warm_start.batch_size=4",
+        "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=16", "env.max_turns=2",
+        "train.eval_every=10", "train.minibatch_size=2", "train.sample_trajectories=0", "train.steps=3"]
+
+
+class RecordingTrainer(Trainer):
+    def rl_step(self, step, rollouts, started=None):
+        self.seen = getattr(self, "seen", []) + [[(t.token_ids, t.behaviour_logprobs, t.versions)
+                                                 for t in rollouts.trajectories]]
+        return super().rl_step(step, rollouts, started)
+
+
+def test_async_engine_at_zero_staleness_reproduces_the_sync_engine(model_dir, tmp_path):
+    runs = {}
+    for engine in ("sync", "async"):
+        cfg = load_config(overrides=[f"run_dir={tmp_path / engine}", f"model.path={model_dir}",
+                                     f"rollout.engine={engine}", "rollout.max_staleness=0", *FAST])
+        trainer = RecordingTrainer(cfg)
+        trainer.run()
+        rows = [__import__("json").loads(line) for line in (tmp_path / engine / "metrics.jsonl").read_text().splitlines()]
+        runs[engine] = (trainer.seen, rows)
+    (sync_seen, sync_rows), (async_seen, async_rows) = runs["sync"], runs["async"]
+    assert len(sync_seen) == 3
+    for sync_step, async_step in zip(sync_seen, async_seen):
+        for (ids, logp, versions), (ids2, logp2, versions2) in zip(sync_step, async_step):
+            assert ids == ids2 and versions == versions2
+            torch.testing.assert_close(torch.tensor(logp2), torch.tensor(logp), rtol=1e-5, atol=1e-5)
+    for want, got in zip(sync_rows, async_rows):
+        for key, value in want.items():
+            if key.startswith(("time/", "engine/")) or not isinstance(value, (int, float)):
+                continue  # wall-clock and scheduling counters differ by design
+            assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+
+
+def test_behaviour_logprobs_equal_a_recompute_under_the_weights_that_sampled_them(model_dir):
+    """Weights change every step while episodes are in flight; each turn is checked against its version."""
+    from keelrl.envs.coding import CodingEnv
+    from keelrl.envs.coding_tasks import bundled_tasks
+
+    model, tokenizer = load_policy(str(model_dir), "cpu")
+    tasks = bundled_tasks(None)[:6]
+
+    def requests_for(step):
+        return [GroupRequest(index=(step - 1) * 2 + i, task=tasks[((step - 1) * 2 + i) % len(tasks)], group_size=2, seed=step * 10 + i)
+                for i in range(2)]
+
+    engine = LocalEngine(requests_for, model=model, tokenizer=tokenizer,
+                         make_env=lambda: CodingEnv(max_turns=3, use_git=False),
+                         sampling=SamplingConfig(temperature=1.0, max_new_tokens=12),
+                         rollout=RolloutConfig(max_turns=3, env_threads=4), asynchronous=True, max_staleness=1)
+    states = {0: {k: v.clone() for k, v in model.state_dict().items()}}
+    engine.start(0)
+    engine.publish(states[0], 0)
+    trajectories = []
+    generator = torch.Generator().manual_seed(0)
+    for step in range(1, 5):
+        rollouts = engine.batch(step)
+        trajectories += rollouts.trajectories
+        with torch.no_grad():  # a large 'update', so a wrong version would show
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=generator) * 0.5)
+        states[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        engine.publish(states[step], step)
+    engine.close()
+    checked_versions = set()
+    for t in trajectories:
+        ids = torch.tensor([t.token_ids])
+        turn_ids = torch.tensor(t.turn_ids)
+        action = torch.tensor(t.action_mask)
+        for version in set(t.versions):
+            model.load_state_dict(states[version])
+            with torch.no_grad():  # the sampled distribution: temperature 1, the pad token never drawn
+                logits = model(input_ids=ids).logits[0, :-1].float()
+                logits[:, tokenizer.pad_token_id] = float("-inf")
+                logp = torch.cat([torch.zeros(1), torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]])
+            turns = [turn for turn, v in enumerate(t.versions) if v == version]
+            where = action & torch.isin(turn_ids, torch.tensor(turns))
+            torch.testing.assert_close(torch.tensor(t.behaviour_logprobs)[where], logp[where], rtol=1e-4, atol=1e-4)
+            checked_versions.add(version)
+    assert len(checked_versions) >= 3  # the check saw several sets of weights
+
+
+def test_engine_settings_are_validated_by_name():
+    with pytest.raises(ConfigError, match="rollout.engine"):
+        load_config(overrides=["rollout.engine=threads"])
+    with pytest.raises(ConfigError, match="rollout.max_staleness"):
+        load_config(overrides=["rollout.max_staleness=-1"])
+    with pytest.raises(ConfigError, match="behaviour_weight_cap"):
+        load_config(overrides=["algo.behaviour_weight_cap=0.5"])
+
+
+# ------------------------------------------------------------------ the decoupled objective
+
+def _decoupled_reference(logp, prox, mu, adv, mask, eps, cap):
+    """Float64 loop: token mean of min(pi_prox/mu, cap) * -min(r A, clip(r) A), r = pi / pi_prox."""
+    total, count = 0.0, 0
+    for b in range(logp.shape[0]):
+        for t in range(logp.shape[1]):
+            if not mask[b, t]:
+                continue
+            r = torch.exp(logp[b, t].double() - prox[b, t].double())
+            w = min(float(torch.exp(prox[b, t].double() - mu[b, t].double())), cap)
+            a = float(adv[b, t])
+            total += w * -min(float(r) * a, min(max(float(r), 1 - eps), 1 + eps) * a)
+            count += 1
+    return total / count
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_decoupled_loss_matches_a_float64_reference(seed):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (3, 7)
+    mu = -torch.rand(shape, generator=gen) * 3
+    prox = mu + torch.randn(shape, generator=gen) * 0.6  # behaviour weights on both sides of the cap
+    logp = (prox + torch.randn(shape, generator=gen) * 0.3).requires_grad_(True)
+    adv = torch.randn(shape, generator=gen)
+    mask = torch.rand(shape, generator=gen) > 0.3
+    cfg = AlgoConfig(preset="decoupled", aggregation="token_mean")
+    loss, metrics = policy_objective(logp=logp, old_logp=mu, advantages=adv, mask=mask, cfg=cfg, prox_logp=prox)
+    expected = _decoupled_reference(logp.detach(), prox, mu, adv, mask, cfg.eps_low, cfg.behaviour_weight_cap)
+    assert float(loss) == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    raw = torch.exp(prox - mu)[mask]
+    assert float(metrics["policy/behaviour_weight_max"]) == pytest.approx(float(raw.max()), rel=1e-5)
+    assert float(metrics["policy/behaviour_weight_trunc_frac"]) == pytest.approx(
+        float((raw > cfg.behaviour_weight_cap).float().mean()), abs=1e-6)
+    loss.backward()
+    assert logp.grad is not None and torch.all(logp.grad[~mask] == 0)
+
+
+def test_decoupled_equals_plain_ppo_when_the_batch_is_fresh():
+    gen = torch.Generator().manual_seed(1)
+    mu = -torch.rand(2, 5, generator=gen)
+    logp = (mu + 0.1 * torch.randn(2, 5, generator=gen)).requires_grad_(True)
+    adv, mask = torch.randn(2, 5, generator=gen), torch.ones(2, 5, dtype=torch.bool)
+    decoupled, _ = policy_objective(logp=logp, old_logp=mu, advantages=adv, mask=mask,
+                                    cfg=AlgoConfig(preset="decoupled"), prox_logp=mu.clone())
+    plain, _ = policy_objective(logp=logp, old_logp=mu, advantages=adv, mask=mask,
+                                cfg=AlgoConfig(preset="decoupled", decoupled=False))
+    assert float(decoupled) == pytest.approx(float(plain), rel=1e-6)
+    with pytest.raises(ValueError, match="prox_logp"):
+        policy_objective(logp=logp, old_logp=mu, advantages=adv, mask=mask, cfg=AlgoConfig(preset="decoupled"))
