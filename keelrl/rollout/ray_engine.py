@@ -144,6 +144,7 @@ class RayEngine(RolloutEngine):
         self._results: dict[int, GroupResult] = {}
         self.poll_interval = poll_interval
         self.workers_replaced = 0
+        self.requests_requeued = 0
 
     def _spawn(self) -> Any:
         return self._actor_class.remote(self.spec)
@@ -161,6 +162,7 @@ class RayEngine(RolloutEngine):
         lost = sorted(self.outstanding[slot].values(), key=lambda r: r.index)
         if lost:
             self.actors[slot].submit.remote(lost)
+            self.requests_requeued += len(lost)
 
     def publish(self, state: dict[str, Any], version: int) -> None:
         super().publish(state, version)
@@ -208,6 +210,7 @@ class RayEngine(RolloutEngine):
                         "engine/groups_admitted": float(totals.admitted),
                         "engine/workers": float(len(self.actors)),
                         "engine/workers_replaced": float(self.workers_replaced),
+                        "engine/requests_requeued": float(self.requests_requeued),
                         "time/learner_wait_s": time.monotonic() - tick})
         return StepRollouts(trajectories, metrics)
 
