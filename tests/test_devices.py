@@ -25,6 +25,7 @@ def test_full_step_on_device_matches_float64_cpu(device, preset):
     old_logp = torch.log_softmax(logits + 0.1 * torch.randn(logits.shape, generator=generator), -1)
     old_logp = old_logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     ref_logp = old_logp - 0.05
+    prox_logp = old_logp + 0.3 * torch.randn(old_logp.shape, generator=generator)  # used by 'decoupled'
 
     def step(dev: str, dtype: torch.dtype):
         cfg = AlgoConfig(preset=preset, entropy_coef=0.01)
@@ -35,7 +36,7 @@ def test_full_step_on_device_matches_float64_cpu(device, preset):
                                  group_ids=to(group_ids), values=to(values), turn_ids=to(turn_ids), cfg=cfg)
         loss, metrics = policy_objective(logp=logp, old_logp=to(old_logp), advantages=adv.advantages,
                                          mask=to(mask), cfg=cfg, ref_logp=to(ref_logp),
-                                         entropy=entropy_from_logits(leaf).to(dtype))
+                                         entropy=entropy_from_logits(leaf).to(dtype), prox_logp=to(prox_logp))
         vloss, _ = value_loss(to(values) + 0.1, to(values), adv.returns, to(mask), cfg)
         (loss + vloss).backward()
         return loss, leaf.grad, metrics

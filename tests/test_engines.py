@@ -258,7 +258,7 @@ def test_decoupled_loss_matches_a_float64_reference(seed):
     cfg = AlgoConfig(preset="decoupled", aggregation="token_mean")
     loss, metrics = policy_objective(logp=logp, old_logp=mu, advantages=adv, mask=mask, cfg=cfg, prox_logp=prox)
     expected = _decoupled_reference(logp.detach(), prox, mu, adv, mask, cfg.eps_low, cfg.behaviour_weight_cap)
-    assert float(loss) == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert float(loss.detach()) == pytest.approx(expected, rel=1e-5, abs=1e-6)
     raw = torch.exp(prox - mu)[mask]
     assert float(metrics["policy/behaviour_weight_max"]) == pytest.approx(float(raw.max()), rel=1e-5)
     assert float(metrics["policy/behaviour_weight_trunc_frac"]) == pytest.approx(
