@@ -112,6 +112,9 @@ class RolloutSettings:
     """Ray: number of rollout worker actors."""
     worker_cpus: float = 1.0
     """Ray: CPUs reserved per rollout worker actor."""
+    dynamic_max_extra_groups: int = 16
+    """Dynamic sampling (algo.dynamic_sampling): at most this many extra groups drawn per step to
+    replace groups whose rewards are all equal."""
 
     def __post_init__(self) -> None:
         from keelrl.rollout.engines import ENGINES
@@ -126,6 +129,8 @@ class RolloutSettings:
             raise ConfigError("engine", f"unknown engine {self.engine!r}; valid names: {', '.join(ENGINES)}")
         if self.max_staleness < 0:
             raise ConfigError("max_staleness", f"must be >= 0, got {self.max_staleness}")
+        if self.dynamic_max_extra_groups < 0:
+            raise ConfigError("dynamic_max_extra_groups", f"must be >= 0, got {self.dynamic_max_extra_groups}")
 
 
 @dataclasses.dataclass

@@ -110,6 +110,11 @@ class RolloutEngine:
     def batch(self, step: int) -> StepRollouts:
         raise NotImplementedError
 
+    def more(self, step: int, requests: list[GroupRequest]) -> list[GroupResult]:
+        """Extra groups for step `step` (dynamic sampling): run `requests` under step's staleness
+        bound and return their results in order. Indices must not collide with requests_for's."""
+        raise NotImplementedError
+
     def close(self) -> None:
         pass
 
@@ -189,6 +194,15 @@ class LocalEngine(RolloutEngine):
                 self._error = error
                 self._lock.notify_all()
 
+    def _wait(self, requests: list[GroupRequest]) -> list[GroupResult]:
+        wanted = [r.index for r in requests]
+        with self._lock:
+            while not all(index in self._results for index in wanted):
+                if self._error is not None:
+                    raise RuntimeError("the rollout thread failed") from self._error
+                self._lock.wait(timeout=0.5)
+            return [self._results.pop(index) for index in wanted]
+
     def batch(self, step: int) -> StepRollouts:
         requests = self._requests(step)
         tick = time.monotonic()
@@ -201,19 +215,22 @@ class LocalEngine(RolloutEngine):
             for future_step in range(max(self._submitted_through + 1, step), ahead + 1):
                 self.scheduler.submit(self._requests(future_step))
             self._submitted_through = max(self._submitted_through, ahead)
-            wanted = [r.index for r in requests]
-            with self._lock:
-                while not all(index in self._results for index in wanted):
-                    if self._error is not None:
-                        raise RuntimeError("the rollout thread failed") from self._error
-                    self._lock.wait(timeout=0.5)
-                results = [self._results.pop(index) for index in wanted]
+            results = self._wait(requests)
         waited = time.monotonic() - tick
         trajectories = [t for result in results for t in result.trajectories]
         metrics = staleness_metrics(step, trajectories, self.max_staleness)
         metrics.update(scheduler_metrics(self.scheduler.take_stats()))
         metrics["time/learner_wait_s"] = waited
         return StepRollouts(trajectories, metrics)
+
+    def more(self, step: int, requests: list[GroupRequest]) -> list[GroupResult]:
+        min_version = max(0, step - 1 - self.max_staleness)
+        requests = [dataclasses.replace(r, min_version=min_version) for r in requests]
+        if not self.asynchronous:
+            self.model.eval()
+            return self.scheduler.run(requests)
+        self.scheduler.submit(requests)
+        return self._wait(requests)
 
     def close(self) -> None:
         self._stop.set()

@@ -19,6 +19,7 @@ an engine that started Ray shuts it down on close.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
@@ -177,16 +178,9 @@ class RayEngine(RolloutEngine):
             self.outstanding[slot][request.index] = request
             self.actors[slot].submit.remote([request])
 
-    def batch(self, step: int) -> StepRollouts:
+    def _wait(self, wanted: list[int], totals: SchedulerStats) -> list[GroupResult]:
         from ray.exceptions import GetTimeoutError, RayActorError
 
-        tick = time.monotonic()
-        ahead = step + self.max_staleness
-        for future_step in range(max(self._submitted_through + 1, step), ahead + 1):
-            self._submit(self._requests(future_step))
-        self._submitted_through = max(self._submitted_through, ahead)
-        wanted = [r.index for r in self._requests(step)]
-        totals = SchedulerStats()
         while not all(index in self._results for index in wanted):
             for slot, actor in enumerate(list(self.actors)):
                 try:
@@ -202,7 +196,16 @@ class RayEngine(RolloutEngine):
                 totals.in_flight_max = max(totals.in_flight_max, stats.in_flight_max)
                 totals.admitted += stats.admitted
             time.sleep(self.poll_interval)
-        results = [self._results.pop(index) for index in wanted]
+        return [self._results.pop(index) for index in wanted]
+
+    def batch(self, step: int) -> StepRollouts:
+        tick = time.monotonic()
+        ahead = step + self.max_staleness
+        for future_step in range(max(self._submitted_through + 1, step), ahead + 1):
+            self._submit(self._requests(future_step))
+        self._submitted_through = max(self._submitted_through, ahead)
+        totals = SchedulerStats()
+        results = self._wait([r.index for r in self._requests(step)], totals)
         trajectories = [t for result in results for t in result.trajectories]
         metrics = staleness_metrics(step, trajectories, self.max_staleness)
         metrics.update({"time/rollout_generate_s": totals.generate_s, "time/rollout_idle_s": totals.idle_s,
@@ -213,6 +216,12 @@ class RayEngine(RolloutEngine):
                         "engine/requests_requeued": float(self.requests_requeued),
                         "time/learner_wait_s": time.monotonic() - tick})
         return StepRollouts(trajectories, metrics)
+
+    def more(self, step: int, requests: list[GroupRequest]) -> list[GroupResult]:
+        min_version = max(0, step - 1 - self.max_staleness)
+        requests = [dataclasses.replace(r, min_version=min_version) for r in requests]
+        self._submit(requests)
+        return self._wait([r.index for r in requests], SchedulerStats())
 
     def close(self) -> None:
         for actor in self.actors:

@@ -44,6 +44,7 @@ from keelrl.rollout.engines import LocalEngine, RolloutEngine, StepRollouts
 from keelrl.rollout.scheduler import GroupRequest
 from keelrl.rollout.trajectory import Batch, Trajectory, collate
 from keelrl.sandbox import Sandbox
+from keelrl.train.dynamic import fill_batch
 from keelrl.verifiers import DEFAULT_LIMITS, make_verifier
 
 
@@ -59,6 +60,10 @@ def load_task_splits(cfg: KeelConfig) -> tuple[list[Task], list[Task]]:
         raise ValueError(f"env.tasks {cfg.env.tasks!r} gives {len(train)} train and {len(heldout)} held-out tasks; "
                          f"both must be non-empty")
     return train, heldout
+
+
+EXTRA_INDEX_BASE = 1 << 40
+"""Request indices of dynamic sampling's extra groups start here (apart from the step stream)."""
 
 
 class CodingEnvFactory:
@@ -162,6 +167,31 @@ class Trainer:
         env = self.cfg.env
         return CodingEnvFactory(env.verifier, partial_credit=env.partial_credit, max_turns=env.max_turns,
                                 show_tools=env.show_tools)
+
+    def extra_requests(self, step: int, start: int, count: int) -> list[GroupRequest]:
+        """Dynamic sampling's extra groups `start..start+count-1` of step `step` (deterministic)."""
+        r = self.cfg.rollout
+        rng = random.Random(f"{self.cfg.seed}:step:{step}:extra")
+        tasks = [rng.choice(self.train_tasks) for _ in range(start + count)][start:]
+        return [GroupRequest(index=EXTRA_INDEX_BASE + step * 100_000 + start + j, task=task, group_size=r.group_size,
+                             seed=(self.cfg.seed * 1_000_003 + step) * 1009 + 500_000 + start + j,
+                             group_id=r.tasks_per_step + start + j)
+                for j, task in enumerate(tasks)]
+
+    def dynamic_fill(self, engine: RolloutEngine, step: int, rollouts: StepRollouts) -> StepRollouts:
+        """DAPO dynamic sampling over the engine's batch (see keelrl.train.dynamic)."""
+        size = self.cfg.rollout.group_size
+        trajectories = rollouts.trajectories
+        groups = [trajectories[i:i + size] for i in range(0, len(trajectories), size)]
+        drawn = [0]
+
+        def draw(count: int) -> list[list[Trajectory]]:
+            results = engine.more(step, self.extra_requests(step, drawn[0], count))
+            drawn[0] += count
+            return [result.trajectories for result in results]
+
+        filled = fill_batch(groups, draw, target=len(groups), max_extra=self.cfg.rollout.dynamic_max_extra_groups)
+        return StepRollouts([t for group in filled.groups for t in group], {**rollouts.metrics, **filled.metrics})
 
     def make_engine(self) -> RolloutEngine:
         """The configured rollout engine over this trainer's policy and training environment."""
@@ -273,6 +303,9 @@ class Trainer:
         """One update from `rollouts` (the engine's batch for `step`); returns the step's metrics row."""
         started = time.monotonic() if started is None else started
         trajectories = rollouts.trajectories
+        if not trajectories:  # dynamic sampling kept no group: nothing to learn from this step
+            return {**rollouts.metrics, "train/updates": 0, "train/skipped_updates": 0,
+                    "time/step_s": time.monotonic() - started}
         learn_started = time.monotonic()
         batch = collate(trajectories, self.pad_id).to(self.device)
         advantages, returns, old_values, ref_all, prox_all, stats = self._advantages(batch)
@@ -412,6 +445,8 @@ class Trainer:
                 step = self.step + 1
                 started = time.monotonic()
                 rollouts = engine.batch(step)
+                if self.cfg.algo.dynamic_sampling:
+                    rollouts = self.dynamic_fill(engine, step, rollouts)
                 row = self.rl_step(step, rollouts, started)
                 self.publish(engine, step)
                 if step % self.cfg.train.eval_every == 0 or step == total:
