@@ -144,6 +144,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
                 progress.update(bar, latest=f"eval before RL {info['eval/success']:.2f}")
             elif event == "resumed":
                 progress.update(bar, completed=info["step"], latest="resumed")
+            elif event == "alarm":
+                console.print(f"[bold red]ALARM[/] {info['alarm']} at step {info['step']}: {info['message']}")
             else:
                 progress.update(bar, latest=f"{event}: " + ", ".join(f"{k}={v}" for k, v in info.items()))
 

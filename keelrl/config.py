@@ -192,6 +192,40 @@ class WarmStartConfig:
 
 
 @dataclasses.dataclass
+class MonitorConfig:
+    """Alarms over the run's metrics (see keelrl/alarms.py); each fires once, logged and printed."""
+
+    window: int = 3
+    """Steps each alarm looks back over (or must hold for)."""
+    eval_metric: str = "eval/success"
+    """Independent eval metric the divergence alarm compares the training reward with."""
+    divergence_reward_gain: float = 0.1
+    """Divergence: training-reward rise between two evals that counts as rising."""
+    divergence_eval_gain: float = 0.0
+    """Divergence: an eval rise at or below this counts as flat."""
+    entropy_floor: float = 0.05
+    """Entropy collapse: mean entropy below this (nats)."""
+    entropy_drop: float = 0.5
+    """Entropy collapse: fall by more than this fraction within `window` steps."""
+    zero_adv_max: float = 0.9
+    """Zero-advantage alarm: this fraction of all-equal groups for `window` steps."""
+    is_weight_max: float = 10.0
+    """Importance-weight alarm: any max weight above this."""
+    distinct_patches_min: float = 1.0
+    """Patch-collapse alarm: mean distinct final patches per group at or below this for `window` steps."""
+    stop_on: list[str] = dataclasses.field(default_factory=list)
+    """Alarm names that stop the run (after a checkpoint); 'any' for every alarm."""
+
+    def __post_init__(self) -> None:
+        from keelrl.alarms import ALARMS
+
+        _positive(window=self.window, is_weight_max=self.is_weight_max)
+        unknown = [name for name in self.stop_on if name not in (*ALARMS, "any")]
+        if unknown:
+            raise ConfigError("stop_on", f"unknown alarm(s) {unknown}; valid names: {', '.join(ALARMS)}, any")
+
+
+@dataclasses.dataclass
 class KeelConfig:
     """Everything a keelrl run does, resolved and saved in the run directory."""
 
@@ -213,6 +247,8 @@ class KeelConfig:
     """The RL loop."""
     warm_start: WarmStartConfig = dataclasses.field(default_factory=WarmStartConfig)
     """The supervised warm start before RL."""
+    monitor: MonitorConfig = dataclasses.field(default_factory=MonitorConfig)
+    """Alarms over the run's metrics."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not _DEVICE_PATTERN.match(self.device):

@@ -35,7 +35,8 @@ from keelrl.config import KeelConfig, dump_config
 from keelrl.envs.coding import CodingEnv
 from keelrl.envs.tasks import Task
 from keelrl.envs.teacher import ScriptedTeacher
-from keelrl.monitor import MetricsLogger, plot_run
+from keelrl.alarms import AlarmEvent, AlarmMonitor, distinct_patches
+from keelrl.monitor import MetricsLogger, plot_run, read_metrics
 from keelrl.policy.critic import build_critic
 from keelrl.policy.model import load_policy, resolve_device, token_logprobs
 from keelrl.policy.sampling import SamplingConfig
@@ -364,6 +365,7 @@ class Trainer:
             "train/episode_tokens": tokens / len(trajectories),
             "train/action_tokens": sum(t.num_action_tokens for t in trajectories) / len(trajectories),
             "train/turns": sum(len(t.actions) for t in trajectories) / len(trajectories),
+            "train/distinct_patches": distinct_patches(self._groups(trajectories)),
             "train/updates": updates, "train/skipped_updates": skipped, "train/lr": lr,
             "time/step_s": seconds, "time/learn_s": learn_seconds,
             "time/learner_util": learn_seconds / max(seconds, 1e-9),
@@ -371,6 +373,13 @@ class Trainer:
         })
         self._write_samples(step, trajectories)
         return row
+
+    @staticmethod
+    def _groups(trajectories: Sequence[Trajectory]) -> list[list[Trajectory]]:
+        groups: dict[int, list[Trajectory]] = {}
+        for t in trajectories:
+            groups.setdefault(t.group_id, []).append(t)
+        return list(groups.values())
 
     def _write_samples(self, step: int, trajectories: Sequence[Trajectory]) -> None:
         count = self.cfg.train.sample_trajectories
@@ -413,25 +422,45 @@ class Trainer:
         torch.random.set_rng_state(state["torch_rng"])
         self.step, self.skipped_steps, self.summary = state["step"], state["skipped_steps"], state["summary"]
 
+    def _raise_alarms(self, events: Sequence[AlarmEvent], trajectories: Sequence[Trajectory]) -> str | None:
+        """Record, print and sample around each alarm; returns the name of one that stops the run."""
+        stop = None
+        for event in events:
+            with (self.run_dir / "alarms.jsonl").open("a") as handle:
+                handle.write(json.dumps(event.as_dict()) + "\n")
+            folder = self.run_dir / "alarms"
+            folder.mkdir(exist_ok=True)
+            text = "\n\n".join(t.to_text(self.tokenizer) for t in trajectories[:max(4, self.cfg.train.sample_trajectories)])
+            (folder / f"{event.name}_step_{event.step:04d}.txt").write_text(f"# {event.message}\n\n{text}")
+            self.progress("alarm", event.as_dict())
+            if event.name in self.cfg.monitor.stop_on or "any" in self.cfg.monitor.stop_on:
+                stop = stop or event.name
+        return stop
+
     # ----------------------------------------------------------------- the job
     def run(self, resume: bool = False, stop_after: int | None = None) -> dict[str, Any]:
         """Warm start (unless resuming), then RL to cfg.train.steps; returns summary.json's content."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(dump_config(self.cfg))
         logger = MetricsLogger(self.run_dir)
+        monitor = AlarmMonitor(self.cfg.monitor)
         if resume and (self.run_dir / "checkpoint" / "state.pt").exists():
             self.load_checkpoint()
             self._load_reference()
             logger.truncate_after(self.step)
+            for old in read_metrics(self.run_dir):  # replay: alarms that fired before stay fired
+                monitor.update(int(old["step"]), old)
             self.progress("resumed", {"step": self.step})
         else:
-            if (self.run_dir / "metrics.jsonl").exists():
-                (self.run_dir / "metrics.jsonl").unlink()
+            for stale in ("metrics.jsonl", "alarms.jsonl"):
+                if (self.run_dir / stale).exists():
+                    (self.run_dir / stale).unlink()
             warm = self.warm_start()
             self._freeze_reference()
             before = self.evaluate()
             self.summary = {"eval_success_before_rl": before["eval/success"], **warm}
             logger.log(0, {**warm, **before})
+            monitor.update(0, before)
             self.progress("eval", {"step": 0, **before})
         total = self.cfg.train.steps
         engine = self.make_engine()
@@ -452,14 +481,20 @@ class Trainer:
                 if step % self.cfg.train.eval_every == 0 or step == total:
                     row.update(self.evaluate())
                 self.step = step
+                events = monitor.update(step, row)
+                row.update({f"alarm/{event.name}": 1.0 for event in events})
                 logger.log(step, row)
                 self.progress("step", {"step": step, "total": total, **row})
-                if step % self.cfg.train.checkpoint_every == 0 or step == total:
+                stop = self._raise_alarms(events, rollouts.trajectories)
+                if stop or step % self.cfg.train.checkpoint_every == 0 or step == total:
                     self.save_checkpoint()
+                if stop:
+                    self.summary["stopped_by_alarm"] = stop
+                    break
         finally:
             engine.close()
             logger.close()
-        if self.step >= total:
+        if self.step >= total or "stopped_by_alarm" in self.summary:
             last = [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines()]
             evals = [row["eval/success"] for row in last if "eval/success" in row]
             self.summary.update({"eval_success_after_rl": evals[-1] if evals else None, "steps": self.step,

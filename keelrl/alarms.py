@@ -1,0 +1,162 @@
+"""Monitors and alarms over a run's metrics: the failure modes that a rising reward curve hides.
+
+`AlarmMonitor.update(step, row)` is called with each step's metrics row (as written to
+metrics.jsonl) and returns the alarms that fire at this step. Each alarm fires at most once a
+run, with the step and the numbers that tripped it:
+
+- `divergence`: training reward rose by at least `divergence_reward_gain` between two
+  independent evaluations while the eval metric did not rise by more than
+  `divergence_eval_gain`: the reward is probably being hacked ("go read trajectories").
+  Training reward is averaged over `window` steps ending at each eval (the first `window` RL
+  steps stand in for the pre-RL eval at step 0).
+- `entropy_collapse`: mean policy entropy below `entropy_floor`, or fallen by more than
+  `entropy_drop` (a fraction) over `window` steps.
+- `zero_advantage`: at least `zero_adv_max` of the groups had all-equal rewards (before
+  dynamic sampling's filter when it runs) for `window` consecutive steps.
+- `importance_weight`: an importance weight above `is_weight_max` (learner vs behaviour during
+  the update, on arrival, or the decoupled objective's behaviour weight).
+- `patch_collapse`: the mean number of distinct final patches per group at or below
+  `distinct_patches_min` for `window` consecutive steps: the group explores nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+ALARMS = ("divergence", "entropy_collapse", "zero_advantage", "importance_weight", "patch_collapse")
+
+WEIGHT_KEYS = ("policy/is_weight_max", "rollout/arrival_is_weight_max", "policy/behaviour_weight_max")
+
+
+@dataclass(frozen=True)
+class AlarmEvent:
+    """One alarm firing: its name, the step, the numbers behind it and a one-line message."""
+
+    name: str
+    step: int
+    values: dict[str, float]
+    message: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"alarm": self.name, "step": self.step, "values": self.values, "message": self.message}
+
+
+class AlarmMonitor:
+    """Keeps the metric history and fires each alarm once (see the module docstring)."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.rows: list[dict[str, Any]] = []
+        self.fired: set[str] = set()
+
+    def _series(self, key: str) -> list[tuple[int, float]]:
+        return [(int(row["step"]), float(row[key])) for row in self.rows
+                if isinstance(row.get(key), (int, float)) and not isinstance(row.get(key), bool)]
+
+    def update(self, step: int, row: Mapping[str, Any]) -> list[AlarmEvent]:
+        """Add this step's row; returns the alarms that fire now (each only once a run)."""
+        self.rows.append({"step": step, **row})
+        events = []
+        for name, check in (("divergence", self._divergence), ("entropy_collapse", self._entropy),
+                            ("zero_advantage", self._zero_advantage), ("importance_weight", self._weights),
+                            ("patch_collapse", self._patches)):
+            if name in self.fired:
+                continue
+            found = check(step)
+            if found is not None:
+                values, message = found
+                self.fired.add(name)
+                events.append(AlarmEvent(name, step, values, message))
+        return events
+
+    # ------------------------------------------------------------------ the checks
+    def _mean_reward_ending_at(self, step: int) -> float | None:
+        rewards = [(s, r) for s, r in self._series("train/reward") if s >= 1]
+        if not rewards:
+            return None
+        window = self.cfg.window
+        if step < 1:  # the pre-RL eval: the first RL steps stand in for it
+            chosen = rewards[:window]
+        else:
+            chosen = [(s, r) for s, r in rewards if step - window < s <= step]
+        return sum(r for _, r in chosen) / len(chosen) if chosen else None
+
+    def _divergence(self, step: int) -> tuple[dict[str, float], str] | None:
+        evals = self._series(self.cfg.eval_metric)
+        if len(evals) < 2 or evals[-1][0] != step:
+            return None
+        (then_step, eval_then), (_, eval_now) = evals[-2], evals[-1]
+        reward_then, reward_now = self._mean_reward_ending_at(then_step), self._mean_reward_ending_at(step)
+        if reward_then is None or reward_now is None:
+            return None
+        reward_gain, eval_gain = reward_now - reward_then, eval_now - eval_then
+        if reward_gain >= self.cfg.divergence_reward_gain and eval_gain <= self.cfg.divergence_eval_gain:
+            values = {"train_reward_then": reward_then, "train_reward_now": reward_now,
+                      "eval_then": eval_then, "eval_now": eval_now, "since_step": float(then_step)}
+            return values, (f"training reward rose {reward_then:.3f} -> {reward_now:.3f} since step {then_step} "
+                            f"while {self.cfg.eval_metric} went {eval_then:.3f} -> {eval_now:.3f}: "
+                            f"the reward may be hacked; go read trajectories")
+        return None
+
+    def _entropy(self, step: int) -> tuple[dict[str, float], str] | None:
+        series = self._series("policy/entropy")
+        if not series or series[-1][0] != step:
+            return None
+        now = series[-1][1]
+        if now < self.cfg.entropy_floor:
+            return {"entropy": now}, f"mean entropy {now:.4f} is below the floor {self.cfg.entropy_floor:g}"
+        earlier = [value for s, value in series if s <= step - self.cfg.window]
+        if earlier and earlier[-1] > 0 and now < (1.0 - self.cfg.entropy_drop) * earlier[-1]:
+            return ({"entropy": now, "entropy_before": earlier[-1]},
+                    f"mean entropy fell {earlier[-1]:.4f} -> {now:.4f} within {self.cfg.window} steps "
+                    f"(more than {self.cfg.entropy_drop:.0%})")
+        return None
+
+    def _consecutive(self, key: str, step: int, test: Any) -> list[float] | None:
+        """The last `window` values of `key` if they all pass `test` and end at this step."""
+        series = self._series(key)
+        window = self.cfg.window
+        if len(series) < window or series[-1][0] != step:
+            return None
+        last = [value for _, value in series[-window:]]
+        return last if all(test(value) for value in last) else None
+
+    def _zero_advantage(self, step: int) -> tuple[dict[str, float], str] | None:
+        key = "dynamic/zero_adv_frac_before" if self._series("dynamic/zero_adv_frac_before") else \
+            "train/zero_advantage_frac"
+        last = self._consecutive(key, step, lambda v: v >= self.cfg.zero_adv_max)
+        if last is None:
+            return None
+        return ({"zero_advantage_frac": last[-1]},
+                f"{last[-1]:.0%} of groups had all-equal rewards ({key}) for {len(last)} steps: "
+                f"they teach nothing (harder/easier tasks, partial credit, or dynamic sampling)")
+
+    def _weights(self, step: int) -> tuple[dict[str, float], str] | None:
+        row = self.rows[-1]
+        over = {key: float(row[key]) for key in WEIGHT_KEYS
+                if isinstance(row.get(key), (int, float)) and float(row[key]) > self.cfg.is_weight_max}
+        if not over:
+            return None
+        key, value = max(over.items(), key=lambda item: item[1])
+        return over, f"{key} = {value:.3g} exceeds {self.cfg.is_weight_max:g}: stale or off-policy data"
+
+    def _patches(self, step: int) -> tuple[dict[str, float], str] | None:
+        last = self._consecutive("train/distinct_patches", step, lambda v: v <= self.cfg.distinct_patches_min)
+        if last is None:
+            return None
+        return ({"distinct_patches": last[-1]},
+                f"groups produced {last[-1]:.2f} distinct final patches on average for {len(last)} steps: "
+                f"exploration has collapsed")
+
+
+def distinct_patches(groups: list[list[Any]]) -> float:
+    """Mean number of distinct edit sequences per group (a trajectory's patch: its edit actions)."""
+    if not groups:
+        return 0.0
+    counts = []
+    for group in groups:
+        patches = {"\n".join(a for a in t.actions if a.lstrip().startswith(("<call>replace", "<call>edit")))
+                   for t in group}
+        counts.append(len(patches))
+    return sum(counts) / len(counts)
