@@ -66,8 +66,12 @@ class EnvConfig:
     verifier: str = "strong"
     """Verifier of the training reward: strong, weak or brittle."""
     partial_credit: bool = True
-    """Training reward = fraction of checks passed instead of all-or-nothing (the tiny default
-    rarely passes every check at first; partial credit gives its groups a signal)."""
+    """Training reward = (weighted) fraction of checks passed instead of all-or-nothing (the
+    tiny default rarely passes every check at first; partial credit gives its groups a signal).
+    Strict success is logged beside it either way (train/success)."""
+    key_check_weight: float = 1.0
+    """Partial credit: the key check counts this many times (each check's own task weight,
+    1 by default, applies too)."""
     max_turns: int = 6
     """Turns per episode."""
     show_tools: bool = False
@@ -78,7 +82,7 @@ class EnvConfig:
 
         if self.verifier not in VERIFIERS:
             raise ConfigError("verifier", f"unknown verifier {self.verifier!r}; valid names: {', '.join(VERIFIERS)}")
-        _positive(max_turns=self.max_turns)
+        _positive(max_turns=self.max_turns, key_check_weight=self.key_check_weight)
 
 
 @dataclasses.dataclass

@@ -16,7 +16,8 @@ Named variants, for the lecture's lessons:
            "is None"): a correct rewrite without it is rejected, a false negative.
 
 Reward is strict (1 when every check passes, else 0) or, with `partial_credit=True`, the
-fraction of checks passed. A check that cannot run (import error, timeout, crash, killed
+weighted fraction of checks passed (each check's `weight` from the task, the key check's also
+multiplied by `key_weight`; all 1 by default, so the plain fraction of checks). A check that cannot run (import error, timeout, crash, killed
 sandbox) fails with the reason in its detail. A verifier that cannot work at all (the sandbox
 cannot start) raises `VerifierError`: it never returns a default reward.
 
@@ -27,6 +28,8 @@ network, secrets) are closed; see `keel audit`.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import json
 import secrets
@@ -144,10 +147,13 @@ class Verifier:
     name = "strong"
 
     def __init__(self, sandbox: Sandbox | None = None, *, partial_credit: bool = False,
-                 per_call_timeout: float = 2.0) -> None:
+                 per_call_timeout: float = 2.0, key_weight: float = 1.0) -> None:
+        if not key_weight > 0:
+            raise VerifierError(f"key_weight must be > 0, got {key_weight}")
         self.sandbox = sandbox or Sandbox(DEFAULT_LIMITS)
         self.partial_credit = partial_credit
         self.per_call_timeout = per_call_timeout
+        self.key_weight = key_weight
 
     def checks_for(self, task: Task) -> list[Check]:
         return list(task.hidden_checks)
@@ -156,11 +162,14 @@ class Verifier:
         return []
 
     def grade(self, task: Task, files: Mapping[str, str]) -> Grade:
-        results = run_checks(task, files, self.checks_for(task), self.sandbox, self.per_call_timeout)
+        checks = self.checks_for(task)
+        results = [dataclasses.replace(result, weight=check.weight * (self.key_weight if check.key else 1.0))
+                   for result, check in zip(run_checks(task, files, checks, self.sandbox, self.per_call_timeout),
+                                            checks)]
         results += self.extra_results(task, files)
-        passed = sum(result.passed for result in results)
-        reward = passed / len(results) if self.partial_credit else float(passed == len(results))
-        return Grade(reward=reward, checks=tuple(results), verifier=self.name)
+        grade = Grade(reward=0.0, checks=tuple(results), verifier=self.name)
+        reward = grade.partial if self.partial_credit else float(grade.success)
+        return dataclasses.replace(grade, reward=reward)
 
 
 class WeakVerifier(Verifier):

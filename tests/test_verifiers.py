@@ -61,6 +61,23 @@ def test_partial_credit_is_the_fraction_of_checks(verifiers):
     assert strict.reward == 0.0 and strict.partial == 0.75
 
 
+def test_weighted_partial_credit_counts_the_key_check_more(verifiers):
+    import dataclasses
+
+    weighted = make_verifier("strong", verifiers["strong"].sandbox, partial_credit=True, key_weight=3.0)
+    # The key check (retries=0) weighs 3 of 6: constant zero passes only it, the bug all but it.
+    assert weighted.grade(TASK, with_source(CONSTANT_ZERO)).reward == pytest.approx(3 / 6)
+    assert weighted.grade(TASK, with_source(BUGGY)).reward == pytest.approx(3 / 6)
+    # Task-level weights apply too (here: the 'none' check weighs 2).
+    task = dataclasses.replace(TASK, hidden_checks=[dataclasses.replace(c, weight=2.0) if c.name == "none" else c
+                                                    for c in TASK.hidden_checks])
+    assert weighted.grade(task, with_source(BUGGY)).reward == pytest.approx(4 / 7)
+    grade = weighted.grade(task, with_source(FIXED))
+    assert grade.reward == 1.0 and grade.success
+    with pytest.raises(Exception, match="key_weight"):
+        make_verifier("strong", verifiers["strong"].sandbox, key_weight=0.0)
+
+
 @pytest.mark.parametrize("source, detail", [
     ("def retry_count(config):\n    return True\n", "expected 3, got True"),          # bool is not int
     ("def retry_count(config):\n    return 3.0\n", "expected 3, got 3.0"),           # float is not int
@@ -154,3 +171,16 @@ def test_check_tasks_accepts_the_fixture_and_flags_broken_tasks():
     problems = check_tasks([not_a_fix, no_bug])
     assert any(line.startswith("not_a_fix: the reference fix fails") for line in problems)
     assert any(line.startswith("no_bug: the buggy original passes every check") for line in problems)
+
+
+def test_check_weights_round_trip_through_jsonl_and_bad_weights_are_named():
+    import json
+
+    from keelrl.envs.tasks import TaskError, task_from_dict
+
+    data = json.loads(TASK.to_json())
+    data["hidden_checks"][0]["weight"] = 2.5
+    assert task_from_dict(data).hidden_checks[0].weight == 2.5
+    data["hidden_checks"][0]["weight"] = 0
+    with pytest.raises(TaskError, match=r"hidden_checks\[0\]\.weight"):
+        task_from_dict(data)

@@ -48,6 +48,8 @@ class Check:
     expected: Any = None
     raises: str | None = None
     key: bool = False
+    weight: float = 1.0
+    """Weight of this check in weighted partial credit (must be > 0)."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ class Task:
 def _check_from(data: Any, where: str) -> Check:
     if not isinstance(data, dict):
         raise TaskError(f"{where}: a check must be an object, got {type(data).__name__}")
-    unknown = set(data) - {"name", "args", "expected", "raises", "key"}
+    unknown = set(data) - {"name", "args", "expected", "raises", "key", "weight"}
     if unknown:
         raise TaskError(f"{where}: unknown check fields {sorted(unknown)}")
     if not isinstance(data.get("name"), str) or not data["name"]:
@@ -98,8 +100,11 @@ def _check_from(data: Any, where: str) -> Check:
         raise TaskError(f"{where}.raises: must be an exception class name, got {data['raises']!r}")
     if not isinstance(data.get("key", False), bool):
         raise TaskError(f"{where}.key: must be true or false")
+    weight = data.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+        raise TaskError(f"{where}.weight: must be a number > 0, got {weight!r}")
     return Check(name=data["name"], args=list(data["args"]), expected=data.get("expected"),
-                 raises=data.get("raises"), key=bool(data.get("key", False)))
+                 raises=data.get("raises"), key=bool(data.get("key", False)), weight=float(weight))
 
 
 def task_from_dict(data: Any, where: str = "task") -> Task:

@@ -71,8 +71,8 @@ class CodingEnvFactory:
     """A picklable `make_env` for CodingEnv (Ray workers build their own sandbox and verifier)."""
 
     def __init__(self, verifier: str, *, partial_credit: bool = True, max_turns: int = 6,
-                 show_tools: bool = False) -> None:
-        self.verifier, self.partial_credit = verifier, partial_credit
+                 show_tools: bool = False, key_weight: float = 1.0) -> None:
+        self.verifier, self.partial_credit, self.key_weight = verifier, partial_credit, key_weight
         self.max_turns, self.show_tools = max_turns, show_tools
         self._built: tuple[Sandbox, Any] | None = None
 
@@ -82,7 +82,8 @@ class CodingEnvFactory:
     def __call__(self) -> CodingEnv:
         if self._built is None:
             sandbox = Sandbox(DEFAULT_LIMITS)
-            self._built = (sandbox, make_verifier(self.verifier, sandbox, partial_credit=self.partial_credit))
+            self._built = (sandbox, make_verifier(self.verifier, sandbox, partial_credit=self.partial_credit,
+                                                  key_weight=self.key_weight))
         sandbox, verifier = self._built
         return CodingEnv(verifier, sandbox=sandbox, max_turns=self.max_turns, show_tools=self.show_tools)
 
@@ -109,7 +110,8 @@ class Trainer:
             self.reference.eval().requires_grad_(False)
         self.train_tasks, self.heldout_tasks = load_task_splits(cfg)
         self.sandbox = Sandbox(DEFAULT_LIMITS)
-        self.train_verifier = make_verifier(cfg.env.verifier, self.sandbox, partial_credit=cfg.env.partial_credit)
+        self.train_verifier = make_verifier(cfg.env.verifier, self.sandbox, partial_credit=cfg.env.partial_credit,
+                                            key_weight=cfg.env.key_check_weight)
         self.eval_verifier = make_verifier("strong", self.sandbox)
         self.optimizer = self._optimizer(cfg.train.lr)
         self.step = 0
@@ -167,7 +169,7 @@ class Trainer:
         """A picklable factory of training environments (override to wrap them, e.g. in bench/)."""
         env = self.cfg.env
         return CodingEnvFactory(env.verifier, partial_credit=env.partial_credit, max_turns=env.max_turns,
-                                show_tools=env.show_tools)
+                                show_tools=env.show_tools, key_weight=env.key_check_weight)
 
     def extra_requests(self, step: int, start: int, count: int) -> list[GroupRequest]:
         """Dynamic sampling's extra groups `start..start+count-1` of step `step` (deterministic)."""
