@@ -184,6 +184,62 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_lab(args: argparse.Namespace) -> int:
+    from keelrl.labs import LABS, run_lab
+
+    if args.name is None or args.name == "list":
+        for name, (description, _) in LABS.items():
+            print(f"{name:18} {description}")
+        return 0
+    if args.name not in LABS:
+        print(f"keel: unknown lab {args.name!r}; valid names: {', '.join(LABS)}", file=sys.stderr)
+        return 2
+    console = Console(stderr=True)
+    result = run_lab(args.name, args.out, args.overrides, quick=args.quick,
+                     progress=lambda message: console.print(f"[lab {args.name}] {message}", highlight=False))
+    print(result.summary)
+    for path in result.files:
+        print(path)
+    return 0
+
+
+def _cmd_audit(args: argparse.Namespace) -> int:
+    from rich.progress import Progress
+
+    from keelrl.audit import AuditError, planted_secret, print_report, run_audit
+    from keelrl.envs.base import VerifierError
+    from keelrl.envs.tasks import TaskError
+    from keelrl.sandbox import SandboxError
+
+    if args.limit is not None and args.limit < 1:
+        print(f"keel: --limit must be >= 1, got {args.limit}", file=sys.stderr)
+        return 2
+    try:
+        tasks = _load_task_source(args.tasks, "all", 0)
+    except (TaskError, OSError) as error:
+        print(f"keel: {error}", file=sys.stderr)
+        return 2
+    tasks = tasks[:args.limit] if args.limit is not None else tasks
+    if not tasks:
+        print(f"keel: no tasks in {args.tasks!r}", file=sys.stderr)
+        return 2
+    # The canary lives in this process's environment only while the audit runs: a sandbox that
+    # passed the parent's environment on would hand it to the secret_env probe.
+    with planted_secret(), Progress(transient=True, console=Console(stderr=True)) as progress:
+        bar = progress.add_task(f"auditing {len(tasks)} tasks ({args.verifier})", total=len(tasks))
+        try:
+            report = run_audit(tasks, args.verifier, workers=args.workers,
+                               progress=lambda done: progress.update(bar, completed=done))
+        except (AuditError, VerifierError, SandboxError) as error:
+            print(f"keel: audit failed: {error}", file=sys.stderr)
+            return 2
+    if args.format == "json":
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print_report(report, Console(width=max(Console().width, 160)))
+    return 1 if report.flagged else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="keel", description="keelrl: RL for LLM agents.")
     parser.add_argument("--version", action="version", version=f"keelrl {__version__}")
@@ -216,6 +272,13 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir")
     report.set_defaults(func=_cmd_report)
 
+    lab = sub.add_parser("lab", help="run a lab: a failure mode and its remedy, side by side (list: names)")
+    lab.add_argument("name", nargs="?", help="lab name, or 'list'")
+    lab.add_argument("overrides", nargs="*", help="dotted.key=value applied to every training run of the lab")
+    lab.add_argument("--out", help="output directory (default runs/lab-NAME)")
+    lab.add_argument("--quick", action="store_true", help="a tiny budget, for a smoke run")
+    lab.set_defaults(func=_cmd_lab)
+
     tasks = sub.add_parser("tasks", help="export or validate coding tasks (JSONL, one task a line)")
     tasks.add_argument("action", choices=("export", "validate"))
     tasks.add_argument("source", nargs="?", default="bundled", help="a tasks .jsonl file, or 'bundled'")
@@ -224,6 +287,17 @@ def build_parser() -> argparse.ArgumentParser:
     tasks.add_argument("--out", help="export: write here instead of stdout")
     tasks.add_argument("--workers", type=int, default=2, help="validate: parallel sandbox runs")
     tasks.set_defaults(func=_cmd_tasks)
+
+    from keelrl.verifiers import VERIFIERS
+
+    audit = sub.add_parser("audit", help="run cheating and rewritten solutions through every task's env and "
+                                         "verifier; exit 1 if a cheat scores or a correct rewrite is rejected")
+    audit.add_argument("--tasks", default="bundled", help="a tasks .jsonl file, or 'bundled'")
+    audit.add_argument("--verifier", choices=list(VERIFIERS), default="strong", help="the verifier to audit")
+    audit.add_argument("--format", choices=("table", "json"), default="table")
+    audit.add_argument("--limit", type=int, help="audit only the first N tasks (default: all)")
+    audit.add_argument("--workers", type=int, default=16, help="parallel episodes (each grading is a sandbox run)")
+    audit.set_defaults(func=_cmd_audit)
     return parser
 
 

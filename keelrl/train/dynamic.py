@@ -8,11 +8,12 @@ are not used (the batch stays its configured size); when the cap is reached firs
 is simply smaller and `dynamic/cap_reached` says so.
 
 Metrics: the zero-advantage fraction among all groups drawn, before filtering; groups drawn
-per kept group; seconds spent filling; kept and extra counts.
+per kept group (NaN when none was kept); seconds spent filling; kept and extra counts.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -63,7 +64,7 @@ def fill_batch(first: Sequence[Group], draw: Callable[[int], list[Group]], targe
         "dynamic/groups_drawn": float(len(drawn)),
         "dynamic/extra_groups": float(extra),
         "dynamic/kept_groups": float(len(kept)),
-        "dynamic/draws_per_kept_group": len(drawn) / max(1, len(kept)),
+        "dynamic/draws_per_kept_group": len(drawn) / len(kept) if kept else math.nan,
         "dynamic/cap_reached": float(len(kept) < target),
         "time/dynamic_fill_s": time.monotonic() - tick,
     })

@@ -1,0 +1,374 @@
+"""Labs: small, reproducible experiments that show a failure mode and its remedy side by side.
+
+`keel lab NAME [--out DIR] [--quick] [key=value ...]` runs one lab on CPU within a small budget
+and writes, into its directory (runs/lab-NAME by default): `summary.md` (what was run and the
+headline numbers), `results.json` (every number behind them) and one or more PNG charts.
+`--quick` shrinks everything for a smoke run; overrides apply to every training run of the
+lab (e.g. `device=cuda`).
+
+Labs that compare training variants share one warm start: it runs once, is saved under
+warm/model, and every variant starts RL from it with the same seed, so the variants differ in
+the one setting the lab is about.
+
+- stale-ratios: how large importance weights get as the learner moves away from the policy
+  that sampled a batch, for each ratio (token, GSPO sequence, cumulative product, CTPO), by
+  staleness and by trajectory length, and what share of tokens each clip rule then stops.
+- dynamic-sampling: DAPO with and without dynamic sampling: zero-advantage fraction and reward.
+- entropy: no entropy bonus vs a bonus: entropy over training and distinct patches per group.
+- reward-hacking: the same budget trained on the `weak` verifier and on `strong`, both
+  evaluated by `strong` on held-out tasks; the divergence alarm's verdict on each.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+LAB_FAST = ["rollout.tasks_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=64", "env.max_turns=4",
+            "train.eval_tasks=40", "train.sample_trajectories=2", "train.checkpoint_every=1000",
+            "warm_start.demos=128", "warm_start.epochs=3", "rollout.engine=sync"]
+"""Budget shared by the labs' training runs (one warm start, short RL, a 40-task held-out eval)."""
+
+QUICK = ["rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=16", "env.max_turns=2",
+         "train.eval_tasks=4", "warm_start.demos=8", "warm_start.epochs=1", "train.minibatch_size=4"]
+
+
+@dataclass
+class LabResult:
+    """What a lab reports: headline numbers, the markdown summary and the files it wrote."""
+
+    name: str
+    numbers: dict[str, Any]
+    summary: str
+    files: list[Path] = field(default_factory=list)
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _config(out: Path, overrides: Sequence[str]) -> Any:
+    from keelrl.config import load_config
+
+    return load_config(overrides=[f"run_dir={out}", *overrides])
+
+
+def _warm_model(out: Path, overrides: Sequence[str]) -> Path:
+    """Warm-start once into out/warm/model (reused when already there); returns the model dir."""
+    from keelrl.train.trainer import Trainer
+
+    target = out / "warm" / "model"
+    if (target / "config.json").exists():
+        return target
+    trainer = Trainer(_config(out / "warm", overrides))
+    trainer.warm_start()
+    trainer.model.save_pretrained(target)
+    trainer.tokenizer.save_pretrained(target)
+    return target
+
+
+def _train_variants(out: Path, variants: dict[str, list[str]], overrides: Sequence[str],
+                    progress: Callable[[str], None]) -> dict[str, list[dict[str, Any]]]:
+    """Run each variant from the shared warm start; returns each variant's metrics rows."""
+    from keelrl.monitor import read_metrics
+    from keelrl.train.trainer import Trainer
+
+    model = _warm_model(out, overrides)
+    runs = {}
+    for label, extra in variants.items():
+        progress(f"training variant {label!r}")
+        run_dir = out / label
+        Trainer(_config(run_dir, [*overrides, f"model.path={model}", "warm_start.demos=0", *extra])).run()
+        runs[label] = read_metrics(run_dir)
+    return runs
+
+
+def _series(rows: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
+    return [(int(r["step"]), float(r[key])) for r in rows if isinstance(r.get(key), (int, float))]
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def _last(rows: list[dict[str, Any]], key: str) -> float:
+    points = _series(rows, key)
+    return points[-1][1] if points else math.nan
+
+
+def _first(rows: list[dict[str, Any]], key: str) -> float:
+    points = _series(rows, key)
+    return points[0][1] if points else math.nan
+
+
+def _alarms(out: Path) -> list[str]:
+    path = out / "alarms.jsonl"
+    return [json.loads(line)["alarm"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _plot_variants(path: Path, runs: dict[str, list[dict[str, Any]]], panels: list[tuple[str, str]],
+                   title: str) -> Path:
+    plt = _plt()
+    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6))
+    axes = list(axes) if len(panels) > 1 else [axes]
+    for ax, (key, label) in zip(axes, panels):
+        for variant, rows in runs.items():
+            points = _series(rows, key)
+            if points:
+                steps, values = zip(*points)
+                ax.plot(steps, values, marker="o", label=variant)
+        ax.set_title(label)
+        ax.set_xlabel("RL step")
+        ax.legend(fontsize=8)
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    def cell(value: Any) -> str:
+        return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- stale-ratios
+
+RATIO_CLIPS = {"token": ("ppo", 0.2, 0.2), "sequence": ("gspo", 3e-4, 4e-4), "cumulative": ("ppo", 0.2, 0.2),
+               "ctpo": ("ctpo", 0.2, 0.28)}
+"""Each ratio with the preset whose clip widths it is judged with (eps_low, eps_high)."""
+
+
+def lab_stale_ratios(out: Path, overrides: Sequence[str], quick: bool,
+                     progress: Callable[[str], None]) -> LabResult:
+    """Weights of a fixed batch under learners 0..K updates ahead, per ratio and trajectory length."""
+    import torch
+
+    from keelrl.algos import AlgoConfig
+    from keelrl.algos.registries import RATIOS
+    from keelrl.policy.model import token_logprobs
+    from keelrl.rollout.trajectory import collate
+    from keelrl.train.trainer import Trainer
+
+    staleness = 2 if quick else 6
+    cfg = _config(out / "run", [*overrides, "train.lr=5e-4"])
+    trainer = Trainer(cfg)
+    progress("warm start")
+    trainer.warm_start()
+    engine = trainer.make_engine()
+    engine.start(0)
+    progress("sampling the behaviour batch (version 0)")
+    first = engine.batch(1)
+    behaviour = first.trajectories
+    batch = collate(behaviour, trainer.pad_id).to(trainer.device)
+    learner_logp = []
+    for k in range(staleness + 1):
+        with torch.no_grad():
+            learner_logp.append(token_logprobs(trainer.model, batch.input_ids, batch.attention_mask)["logp"])
+        if k < staleness:
+            progress(f"learner update {k + 1}/{staleness}")
+            # Update k+1 trains on step k+1's batch (the behaviour batch first), as synchronous RL would.
+            rollouts = first if k == 0 else engine.batch(k + 1)
+            trainer.model.train()
+            trainer.rl_step(k + 1, rollouts)
+            engine.publish({}, k + 1)
+    engine.close()
+    mask = batch.action_mask
+    positions = mask.long().cumsum(dim=1)  # 1-based index among each row's action tokens
+    longest = int(positions.max())
+    lengths = [n for n in (8, 16, 32, 64, 128, 256, 512) if n <= longest] or [longest]
+    results: dict[str, Any] = {"lengths": lengths, "staleness": list(range(staleness + 1)), "ratios": {},
+                               "episodes": len(behaviour), "action_tokens_max": longest}
+    for name, (preset, eps_low, eps_high) in RATIO_CLIPS.items():
+        algo = AlgoConfig(preset=preset, ratio=name, max_log_ratio=80.0)
+        by_k, clipped_by_k, by_length = [], [], []
+        for k, logp in enumerate(learner_logp):
+            ratio = RATIOS.get(name)(logp, batch.behaviour_logprobs, mask, algo).double()
+            by_k.append(float(ratio[mask].max()))
+            outside = ((ratio < 1 - eps_low) | (ratio > 1 + eps_high)) & mask
+            clipped_by_k.append(float(outside.sum() / mask.sum()))
+        for n in lengths:  # the same ratio on each row's first n action tokens, at max staleness
+            prefix = mask & (positions <= n)
+            ratio = RATIOS.get(name)(learner_logp[-1], batch.behaviour_logprobs, prefix, algo).double()
+            by_length.append(float(ratio[prefix].max()))
+        results["ratios"][name] = {"max_weight_by_staleness": by_k, "clipped_frac_by_staleness": clipped_by_k,
+                                   "max_weight_by_length": by_length, "clip": [eps_low, eps_high]}
+    token_log = (learner_logp[-1] - batch.behaviour_logprobs)[mask].double()
+    results["token_log_ratio_abs_mean_at_max_staleness"] = float(token_log.abs().mean())
+    results["lecture_1.05^100"] = 1.05 ** 100
+
+    plt = _plt()
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, data in results["ratios"].items():
+        left.plot(results["staleness"], data["max_weight_by_staleness"], marker="o", label=name)
+        right.plot(lengths, data["max_weight_by_length"], marker="o", label=name)
+    right.plot(lengths, [1.05 ** n for n in lengths], linestyle="--", color="grey", label="1.05 ** length")
+    for ax, xlabel in ((left, "staleness (learner updates since sampling)"), (right, "action tokens per trajectory")):
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("max importance weight")
+        ax.legend(fontsize=8)
+    left.set_title("max weight vs staleness (full trajectories)")
+    right.set_title(f"max weight vs length (staleness {staleness})")
+    if len(lengths) > 1:
+        right.set_xscale("log", base=2)
+    figure.tight_layout()
+    chart = figure_path = out / "stale_ratios.png"
+    figure.savefig(figure_path, dpi=100)
+    plt.close(figure)
+
+    ratios = results["ratios"]
+    rows = [(name, *[d["max_weight_by_staleness"][k] for k in (0, staleness)], d["max_weight_by_length"][-1],
+             d["clipped_frac_by_staleness"][staleness]) for name, d in results["ratios"].items()]
+    summary = "\n".join([
+        "# Lab: stale ratios", "",
+        f"One batch of {len(behaviour)} real rollouts (tiny model after a short warm start) is scored by learners "
+        f"0..{staleness} updates ahead (each a real GRPO step on that step's batch, lr 5e-4). Longest trajectory: "
+        f"{longest} action tokens; mean |log pi/mu| per token at staleness {staleness}: "
+        f"{results['token_log_ratio_abs_mean_at_max_staleness']:.4f}.", "",
+        _table(["ratio", "max weight, fresh", f"max weight, staleness {staleness}",
+                f"max weight, {lengths[-1]} tokens", f"share of tokens outside its clip, staleness {staleness}"],
+               rows), "",
+        f"At staleness {staleness} the cumulative product's max weight is "
+        f"{ratios['cumulative']['max_weight_by_staleness'][-1] / ratios['token']['max_weight_by_staleness'][-1]:.3g}x "
+        f"the per-token ratio's: it multiplies every token's drift, as 1.05 ** 100 = 131.5 does (dashed). "
+        f"GSPO's length-normalised ratio ({ratios['sequence']['max_weight_by_staleness'][-1]:.3g}) stays nearest 1, "
+        f"but with its clip band of 1 +- 3e-4 {ratios['sequence']['clipped_frac_by_staleness'][-1]:.0%} of tokens "
+        f"fall outside it. Fresh weights sit slightly below 1 because sampling never draws the pad token, whose "
+        f"probability the learner's distribution still holds.",
+        "", f"Chart: {chart.name}"])
+    return LabResult("stale-ratios", results, summary, [chart])
+
+
+# ---------------------------------------------------------------------------- training comparisons
+
+def lab_dynamic_sampling(out: Path, overrides: Sequence[str], quick: bool,
+                         progress: Callable[[str], None]) -> LabResult:
+    steps = 2 if quick else 10
+    variants = {"dapo": ["algo.preset=dapo", f"train.steps={steps}", f"train.eval_every={steps}"],
+                "dapo-no-dynamic": ["algo.preset=dapo", "algo.dynamic_sampling=false", f"train.steps={steps}",
+                                    f"train.eval_every={steps}"]}
+    runs = _train_variants(out, variants, overrides, progress)
+    chart = _plot_variants(out / "dynamic_sampling.png", runs,
+                           [("train/zero_advantage_frac", "zero-advantage fraction (trained batch)"),
+                            ("train/reward", "training reward")], "DAPO dynamic sampling")
+    numbers = {label: {"zero_adv_frac_trained_mean": _mean([v for _, v in _series(rows, "train/zero_advantage_frac")]),
+                       "zero_adv_frac_before_filter_mean": _mean([v for _, v in _series(rows, "dynamic/zero_adv_frac_before")]),
+                       "draws_per_kept_group_mean": _mean([v for _, v in _series(rows, "dynamic/draws_per_kept_group")]),
+                       "reward_first": _first(rows, "train/reward"), "reward_last": _last(rows, "train/reward"),
+                       "eval_before": _first(rows, "eval/success"), "eval_after": _last(rows, "eval/success"),
+                       "eval_partial_after": _last(rows, "eval/partial"),
+                       "step_s_mean": _mean([v for _, v in _series(rows, "time/step_s")])}
+               for label, rows in runs.items()}
+    summary = "\n".join(["# Lab: dynamic sampling", "",
+                         f"DAPO for {steps} steps from one warm start, with and without dynamic sampling.", "",
+                         _table(["variant", "zero-adv frac (trained)", "zero-adv frac (before filter)",
+                                 "draws per kept group", "reward first", "reward last", "held-out success after",
+                                 "held-out partial after", "s/step"],
+                                [(k, v["zero_adv_frac_trained_mean"], v["zero_adv_frac_before_filter_mean"],
+                                  v["draws_per_kept_group_mean"], v["reward_first"], v["reward_last"],
+                                  v["eval_after"], v["eval_partial_after"], v["step_s_mean"])
+                                 for k, v in numbers.items()]), "",
+                         "With dynamic sampling every trained group has mixed rewards (zero-advantage fraction 0); "
+                         "the price is the extra groups drawn per kept group.", "", f"Chart: {chart.name}"])
+    return LabResult("dynamic-sampling", numbers, summary, [chart])
+
+
+def lab_entropy(out: Path, overrides: Sequence[str], quick: bool, progress: Callable[[str], None]) -> LabResult:
+    steps = 2 if quick else 12
+    common = ["algo.preset=grpo", f"train.steps={steps}", f"train.eval_every={steps}", "train.lr=1e-3",
+              "algo.kl_coef=0"]
+    variants = {"no-bonus": [*common, "algo.entropy_coef=0"], "bonus": [*common, "algo.entropy_coef=0.02"]}
+    runs = _train_variants(out, variants, overrides, progress)
+    chart = _plot_variants(out / "entropy.png", runs,
+                           [("policy/entropy", "mean token entropy"),
+                            ("train/distinct_patches", "distinct patches per group"),
+                            ("train/reward", "training reward")], "Entropy bonus")
+    numbers: dict[str, dict[str, Any]] = {label: {"entropy_first": _first(rows, "policy/entropy"), "entropy_last": _last(rows, "policy/entropy"),
+                       "distinct_patches_first": _first(rows, "train/distinct_patches"),
+                       "distinct_patches_last": _last(rows, "train/distinct_patches"),
+                       "reward_first": _first(rows, "train/reward"), "reward_last": _last(rows, "train/reward"),
+                       "eval_after": _last(rows, "eval/success"), "eval_partial_after": _last(rows, "eval/partial"),
+                       "alarms": _alarms(out / label)}
+               for label, rows in runs.items()}
+    summary = "\n".join(["# Lab: entropy", "",
+                         f"GRPO at lr 1e-3 (no KL anchor) for {steps} steps, without and with an entropy bonus.", "",
+                         _table(["variant", "entropy first", "entropy last", "distinct patches first",
+                                 "distinct patches last", "reward last", "held-out partial after", "alarms"],
+                                [(k, v["entropy_first"], v["entropy_last"], v["distinct_patches_first"],
+                                  v["distinct_patches_last"], v["reward_last"], v["eval_partial_after"],
+                                  ", ".join(v["alarms"]) or "none") for k, v in numbers.items()]),
+                         "", f"Chart: {chart.name}"])
+    return LabResult("entropy", numbers, summary, [chart])
+
+
+def lab_reward_hacking(out: Path, overrides: Sequence[str], quick: bool,
+                       progress: Callable[[str], None]) -> LabResult:
+    steps = 2 if quick else 12
+    every = 1 if quick else 3
+    common = ["algo.preset=grpo", f"train.steps={steps}", f"train.eval_every={every}", "env.partial_credit=false",
+              "monitor.window=2"]
+    variants = {"weak": [*common, "env.verifier=weak"], "strong": [*common, "env.verifier=strong"]}
+    runs = _train_variants(out, variants, overrides, progress)
+    chart = _plot_variants(out / "reward_hacking.png", runs,
+                           [("train/reward", "training reward (its own verifier)"),
+                            ("eval/success", "held-out success (strong verifier)")],
+                           "Training on a weak verifier vs a strong one")
+    numbers: dict[str, dict[str, Any]] = {label: {"reward_first": _first(rows, "train/reward"),
+                       "reward_last": _last(rows, "train/reward"),
+                       "reward_mean_last3": _mean([v for _, v in _series(rows, "train/reward")[-3:]]),
+                       "eval_before": _first(rows, "eval/success"), "eval_after": _last(rows, "eval/success"),
+                       "eval_partial_before": _first(rows, "eval/partial"),
+                       "eval_partial_after": _last(rows, "eval/partial"), "alarms": _alarms(out / label)}
+               for label, rows in runs.items()}
+    summary = "\n".join(["# Lab: reward hacking", "",
+                         f"GRPO with strict reward for {steps} steps from one warm start, the training reward given "
+                         "by the `weak` verifier (only the key check) or by `strong`; both evaluated with `strong` "
+                         "on held-out tasks.", "",
+                         _table(["verifier", "train reward first", "train reward last", "held-out success before",
+                                 "held-out success after", "held-out partial after", "alarms"],
+                                [(k, v["reward_first"], v["reward_last"], v["eval_before"], v["eval_after"],
+                                  v["eval_partial_after"], ", ".join(v["alarms"]) or "none")
+                                 for k, v in numbers.items()]), "",
+                         "Read the trajectories in weak/samples/ and weak/alarms/: a patch that only satisfies the "
+                         "key check earns full training reward under `weak` and nothing from the held-out eval.",
+                         "", f"Chart: {chart.name}"])
+    return LabResult("reward-hacking", numbers, summary, [chart])
+
+
+LabFn = Callable[[Path, Sequence[str], bool, Callable[[str], None]], LabResult]
+
+LABS: dict[str, tuple[str, LabFn]] = {
+    "stale-ratios": ("importance weights by ratio type, staleness and length", lab_stale_ratios),
+    "dynamic-sampling": ("DAPO with and without dynamic sampling", lab_dynamic_sampling),
+    "entropy": ("entropy collapse without a bonus vs with one", lab_entropy),
+    "reward-hacking": ("training on the weak verifier vs the strong one", lab_reward_hacking),
+}
+
+
+def run_lab(name: str, out: str | Path | None = None, overrides: Sequence[str] = (), quick: bool = False,
+            progress: Callable[[str], None] | None = None) -> LabResult:
+    """Run lab `name` into `out` (default runs/lab-NAME); writes summary.md and results.json."""
+    if name not in LABS:
+        raise KeyError(f"unknown lab {name!r}; valid names: {', '.join(LABS)}")
+    directory = Path(out or f"runs/lab-{name}")
+    directory.mkdir(parents=True, exist_ok=True)
+    settings = [*LAB_FAST, *(QUICK if quick else []), *overrides]
+    _config(directory, settings)  # a bad override fails here, before any work
+    result = LABS[name][1](directory, settings, quick, progress or (lambda message: None))
+    (directory / "summary.md").write_text(result.summary + "\n")
+    (directory / "results.json").write_text(json.dumps(result.numbers, indent=2, default=str))
+    result.files += [directory / "summary.md", directory / "results.json"]
+    return result

@@ -1,0 +1,53 @@
+"""Labs: the registry and CLI, a bad override failing first, and smoke runs at the quick budget."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from keelrl.cli import main
+from keelrl.errors import ConfigError
+from keelrl.labs import LABS, run_lab
+
+
+def test_lab_list_and_unknown_names(capsys):
+    assert main(["lab", "list"]) == 0
+    listed = capsys.readouterr().out
+    assert all(name in listed for name in ("stale-ratios", "dynamic-sampling", "entropy", "reward-hacking"))
+    assert main(["lab", "no-such-lab"]) == 2
+    assert "valid names" in capsys.readouterr().err
+
+
+def test_a_bad_override_fails_before_any_work(tmp_path):
+    with pytest.raises(ConfigError, match="rollout.engine"):
+        run_lab("stale-ratios", tmp_path, ["rollout.engine=nope"], quick=True)
+    assert not any(tmp_path.iterdir())
+
+
+def test_stale_ratios_lab_measures_weights_on_real_rollouts(tmp_path):
+    result = run_lab("stale-ratios", tmp_path, quick=True)
+    numbers = json.loads((tmp_path / "results.json").read_text())
+    ratios = numbers["ratios"]
+    assert set(ratios) == {"token", "sequence", "cumulative", "ctpo"}
+    for data in ratios.values():
+        assert len(data["max_weight_by_staleness"]) == len(numbers["staleness"])
+        assert all(math.isfinite(w) and w > 0 for w in data["max_weight_by_staleness"])
+    # Fresh data: every weight within a hair of 1 (only the never-sampled pad token's mass differs).
+    assert all(abs(d["max_weight_by_staleness"][0] - 1) < 0.05 for n, d in ratios.items() if n != "cumulative")
+    # Two real updates move the learner: the per-token ratio leaves 1 and the product compounds it.
+    assert ratios["token"]["max_weight_by_staleness"][-1] > 1.05
+    assert ratios["cumulative"]["max_weight_by_staleness"][-1] > ratios["sequence"]["max_weight_by_staleness"][-1]
+    assert (tmp_path / "stale_ratios.png").stat().st_size > 1000
+    assert "| cumulative |" in (tmp_path / "summary.md").read_text() and result.name == "stale-ratios"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dynamic-sampling", "entropy", "reward-hacking"])
+def test_training_labs_run_at_the_quick_budget(tmp_path, name):
+    result = run_lab(name, tmp_path, quick=True)
+    assert set(result.numbers) == {"dapo", "dapo-no-dynamic"} if name == "dynamic-sampling" else len(result.numbers) == 2
+    assert all(path.exists() for path in result.files)
+    assert (tmp_path / "warm" / "model" / "config.json").exists()
+    assert LABS[name][0]
