@@ -59,8 +59,15 @@ class ModelConfig:
 class EnvConfig:
     """The tasks and environment the agent trains and is evaluated on."""
 
+    name: str = "coding"
+    """coding (bug-fix tasks in the sandbox) or guess (the number-guessing game: fast, for
+    credit-assignment experiments)."""
     tasks: str = "bundled"
-    """'bundled' or a tasks .jsonl file (split into train/heldout by `split_seed`)."""
+    """Coding: 'bundled' or a tasks .jsonl file (split into train/heldout by `split_seed`)."""
+    guess_n: int = 16
+    """Guess: secrets are drawn from 1..guess_n."""
+    guess_tasks: int = 2000
+    """Guess: number of generated tasks (split into train/heldout by `split_seed`)."""
     split_seed: int = 0
     """Seed of the deterministic train/held-out split."""
     verifier: str = "strong"
@@ -82,7 +89,10 @@ class EnvConfig:
 
         if self.verifier not in VERIFIERS:
             raise ConfigError("verifier", f"unknown verifier {self.verifier!r}; valid names: {', '.join(VERIFIERS)}")
-        _positive(max_turns=self.max_turns, key_check_weight=self.key_check_weight)
+        _positive(max_turns=self.max_turns, key_check_weight=self.key_check_weight, guess_n=self.guess_n,
+                  guess_tasks=self.guess_tasks)
+        if self.name not in ("coding", "guess"):
+            raise ConfigError("name", f"unknown environment {self.name!r}; valid names: coding, guess")
 
 
 @dataclasses.dataclass

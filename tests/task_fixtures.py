@@ -30,8 +30,6 @@ def retry_task() -> Task:
 
 def binary_search_guess(prompt, turns):
     """Policy for the 1..16 guessing game: halve the interval after each higher/lower."""
-    low, high = 1, 16
-    for turn in turns:
-        guess = int(turn.action.removeprefix("<call>guess ").removesuffix("</call>"))
-        low, high = (guess + 1, high) if turn.observation == "higher" else (low, guess - 1)
-    return f"<call>guess {(low + high) // 2}</call>"
+    from keelrl.envs.guess import BinarySearchTeacher, GuessTask
+
+    return BinarySearchTeacher().policy(GuessTask("any", 1, 16))(prompt, turns)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 from keelrl.envs.base import CheckResult, Grade
 from keelrl.envs.tools import ActionError, ToolSpec, describe_tools, parse_action
@@ -88,3 +89,52 @@ class GuessEnv:
             raise RuntimeError("call reset(task) before grade()")
         detail = "" if self.found else f"not found in {len(self.guesses)} guesses (secret {self.task.secret})"
         return Grade(reward=float(self.found), checks=(CheckResult("found", self.found, detail),), verifier="guess")
+
+
+def interval_after(n: int, turns: list[tuple[int, str]]) -> tuple[int, int]:
+    """The (low, high) range still possible after (guess, 'higher'|'lower') answers."""
+    low, high = 1, n
+    for guess, answer in turns:
+        if answer == "higher":
+            low = max(low, guess + 1)
+        elif answer == "lower":
+            high = min(high, guess - 1)
+    return low, high
+
+
+class BinarySearchTeacher:
+    """A scripted guesser: the midpoint of what is still possible, with optional mistakes.
+
+    With probability `mistake_rate` per turn it guesses a uniformly random number that is still
+    possible instead of the midpoint, so its demonstrations (and episodes) vary in quality.
+    """
+
+    def __init__(self, mistake_rate: float = 0.0, seed: int = 0) -> None:
+        if not 0.0 <= mistake_rate <= 1.0:
+            raise ValueError(f"mistake_rate must be in [0, 1], got {mistake_rate}")
+        self.mistake_rate = mistake_rate
+        self.rng = random.Random(seed)
+
+    def policy(self, task: GuessTask) -> "Callable[[str, Sequence[Any]], str]":
+        """A `Policy` callable for one episode of `task`."""
+        rng = random.Random(self.rng.random())
+
+        def act(prompt: str, turns: Sequence[Any]) -> str:
+            history = [(int(t.action.removeprefix("<call>guess ").removesuffix("</call>")), t.observation)
+                       for t in turns if t.action.startswith("<call>guess ")]
+            low, high = interval_after(task.n, history)
+            low, high = min(low, high), max(low, high)
+            guess = rng.randint(low, high) if rng.random() < self.mistake_rate else (low + high) // 2
+            return f"<call>guess {guess}</call>"
+
+        return act
+
+
+class GuessEnvFactory:
+    """A picklable `make_env` for GuessEnv."""
+
+    def __init__(self, max_turns: int = 5) -> None:
+        self.max_turns = max_turns
+
+    def __call__(self) -> GuessEnv:
+        return GuessEnv(self.max_turns)

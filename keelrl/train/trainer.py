@@ -33,6 +33,7 @@ from keelrl.algos import compute_advantages, outcome_to_token_rewards, policy_ob
 from keelrl.algos.losses import kl_reward_penalty
 from keelrl.config import KeelConfig, dump_config
 from keelrl.envs.coding import CodingEnv
+from keelrl.envs.guess import BinarySearchTeacher, GuessEnvFactory
 from keelrl.envs.tasks import Task
 from keelrl.envs.teacher import ScriptedTeacher
 from keelrl.alarms import AlarmEvent, AlarmMonitor, distinct_patches
@@ -49,12 +50,20 @@ from keelrl.train.dynamic import fill_batch
 from keelrl.verifiers import DEFAULT_LIMITS, make_verifier
 
 
-def load_task_splits(cfg: KeelConfig) -> tuple[list[Task], list[Task]]:
+def load_task_splits(cfg: KeelConfig) -> tuple[list[Any], list[Any]]:
     """(train, heldout) tasks of the configured source and split seed."""
     from keelrl.envs.coding_tasks import bundled_tasks
     from keelrl.envs.tasks import load_tasks, split_of
 
-    tasks = bundled_tasks(None, seed=cfg.env.split_seed) if cfg.env.tasks == "bundled" else load_tasks(cfg.env.tasks)
+    tasks: Sequence[Any]
+    if cfg.env.name == "guess":
+        from keelrl.envs.guess import guess_tasks
+
+        tasks = guess_tasks(cfg.env.guess_tasks, cfg.env.guess_n, seed=cfg.env.split_seed)
+    elif cfg.env.tasks == "bundled":
+        tasks = bundled_tasks(None, seed=cfg.env.split_seed)
+    else:
+        tasks = load_tasks(cfg.env.tasks)
     train = [t for t in tasks if split_of(t.id, cfg.env.split_seed) == "train"]
     heldout = [t for t in tasks if split_of(t.id, cfg.env.split_seed) == "heldout"]
     if not train or not heldout:
@@ -146,7 +155,9 @@ class Trainer:
     def _optimizer(self, lr: float) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self._parameters(), lr=lr, weight_decay=self.cfg.train.weight_decay)
 
-    def _env(self, verifier: Any) -> Callable[[], CodingEnv]:
+    def _env(self, verifier: Any) -> Callable[[], Any]:
+        if self.cfg.env.name == "guess":
+            return GuessEnvFactory(self.cfg.env.max_turns)
         return lambda: CodingEnv(verifier, sandbox=self.sandbox, max_turns=self.cfg.env.max_turns,
                                  show_tools=self.cfg.env.show_tools)
 
@@ -168,6 +179,8 @@ class Trainer:
     def train_env_factory(self) -> Callable[[], Any]:
         """A picklable factory of training environments (override to wrap them, e.g. in bench/)."""
         env = self.cfg.env
+        if env.name == "guess":
+            return GuessEnvFactory(env.max_turns)
         return CodingEnvFactory(env.verifier, partial_credit=env.partial_credit, max_turns=env.max_turns,
                                 show_tools=env.show_tools, key_weight=env.key_check_weight)
 
@@ -223,7 +236,9 @@ class Trainer:
         ws = self.cfg.warm_start
         if ws.demos == 0:
             return {}
-        teacher = ScriptedTeacher(success_rate=1.0, mistake_rate=ws.mistake_rate, seed=self.cfg.seed)
+        teacher: Any = (BinarySearchTeacher(mistake_rate=ws.mistake_rate, seed=self.cfg.seed)
+                        if self.cfg.env.name == "guess" else
+                        ScriptedTeacher(success_rate=1.0, mistake_rate=ws.mistake_rate, seed=self.cfg.seed))
         rng = random.Random(f"{self.cfg.seed}:demos")
         tasks = [self.train_tasks[i % len(self.train_tasks)] for i in range(ws.demos)]
         rng.shuffle(tasks)
@@ -231,6 +246,9 @@ class Trainer:
         demos = run_episodes(self._env(self.train_verifier), tasks, self.tokenizer,
                              scripted_actor(self.tokenizer, policies), self._rollout_cfg(1))
         demos = [d for d in demos if d.success]
+        if not demos:
+            raise RuntimeError(f"warm start: none of the teacher's {ws.demos} demonstrations succeeded "
+                               f"(env.max_turns={self.cfg.env.max_turns} may be too few for the task)")
         self.progress("warm_start", {"demos": len(demos)})
         optimizer = torch.optim.AdamW(self.model.parameters(), lr=ws.lr)
         self.model.train()
