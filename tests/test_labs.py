@@ -15,7 +15,7 @@ from keelrl.labs import LABS, run_lab
 def test_lab_list_and_unknown_names(capsys):
     assert main(["lab", "list"]) == 0
     listed = capsys.readouterr().out
-    assert all(name in listed for name in ("stale-ratios", "dynamic-sampling", "entropy", "reward-hacking"))
+    assert all(name in listed for name in ("stale-ratios", "dynamic-sampling", "entropy", "reward-hacking", "credit"))
     assert main(["lab", "no-such-lab"]) == 2
     assert "valid names" in capsys.readouterr().err
 
@@ -44,10 +44,12 @@ def test_stale_ratios_lab_measures_weights_on_real_rollouts(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["dynamic-sampling", "entropy", "reward-hacking"])
+@pytest.mark.parametrize("name", ["dynamic-sampling", "entropy", "reward-hacking", "credit"])
 def test_training_labs_run_at_the_quick_budget(tmp_path, name):
     result = run_lab(name, tmp_path, quick=True)
-    assert set(result.numbers) == {"dapo", "dapo-no-dynamic"} if name == "dynamic-sampling" else len(result.numbers) == 2
+    variants = {"dynamic-sampling": {"dapo", "dapo-no-dynamic"}, "entropy": {"no-bonus", "bonus"},
+                "reward-hacking": {"weak", "strong"}, "credit": {"grpo", "critic-turn-gae", "failed_episode_turns"}}
+    assert set(result.numbers) == variants[name]
     assert all(path.exists() for path in result.files)
     assert (tmp_path / "warm" / "model" / "config.json").exists()
     assert LABS[name][0]

@@ -260,3 +260,50 @@ def test_guess_env_reset_starts_over_and_guards_its_protocol():
     assert (env.guesses, env.turns, env.found, env.done) == ([], 0, False, False)
     assert env.grade().reward == 0.0
     assert env.step("<call>guess 1</call>") == ("higher", False, {"tool": "guess"})
+
+
+def test_binary_search_teacher_errs_at_its_rate_but_never_guesses_the_impossible():
+    from keelrl.envs.guess import BinarySearchTeacher, GuessEnv, guess_tasks, interval_after
+
+    tasks = guess_tasks(300, n=16, seed=3)
+    for rate in (0.0, 0.6, 1.0):
+        teacher = BinarySearchTeacher(mistake_rate=rate, seed=1)
+        midpoints = guesses = found = 0
+        for task in tasks:
+            episode = run_episode(GuessEnv(max_turns=5), task, teacher.policy(task))
+            history = []
+            for turn in episode.turns:
+                guess = int(turn.action.removeprefix("<call>guess ").removesuffix("</call>"))
+                low, high = interval_after(16, history)
+                assert low <= guess <= high  # only numbers still possible
+                midpoints += guess == (low + high) // 2
+                guesses += 1
+                history.append((guess, turn.observation))
+            found += episode.grade.success
+        if rate == 0.0:
+            assert midpoints == guesses and found == len(tasks)  # pure binary search: always within 5
+        else:
+            assert midpoints < guesses and found < len(tasks)
+    with pytest.raises(ValueError, match="mistake_rate"):
+        BinarySearchTeacher(mistake_rate=1.5)
+
+
+def test_trainer_runs_on_the_guessing_game(tmp_path):
+    import json
+
+    from keelrl.config import load_config
+    from keelrl.policy.tiny import TinyModelSpec, save_tiny_default
+    from keelrl.train.trainer import Trainer
+
+    model_dir = save_tiny_default(tmp_path / "model", TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2,
+                                                                    intermediate=128, max_positions=2048))
+    cfg = load_config(overrides=[f"run_dir={tmp_path / 'run'}", f"model.path={model_dir}", "env.name=guess",
+                                 "env.max_turns=5", "warm_start.demos=16", "warm_start.epochs=1",
+                                 "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=12",
+                                 "train.steps=2", "train.eval_tasks=4", "rollout.engine=sync"])
+    trainer = Trainer(cfg)
+    assert all(task.id.startswith("guess-16-") for task in trainer.train_tasks + trainer.heldout_tasks)
+    assert not {t.id for t in trainer.train_tasks} & {t.id for t in trainer.heldout_tasks}
+    summary = trainer.run()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert summary["steps"] == 2 and rows[0]["warm_start/demos"] > 0 and "eval/success" in rows[-1]
