@@ -211,9 +211,10 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     from keelrl.envs.tasks import TaskError
     from keelrl.sandbox import SandboxError
 
-    if args.limit is not None and args.limit < 1:
-        print(f"keel: --limit must be >= 1, got {args.limit}", file=sys.stderr)
-        return 2
+    for name in ("limit", "workers"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            print(f"keel: --{name} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
+            return 2
     try:
         tasks = _load_task_source(args.tasks, "all", 0)
     except (TaskError, OSError) as error:
@@ -296,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--verifier", choices=list(VERIFIERS), default="strong", help="the verifier to audit")
     audit.add_argument("--format", choices=("table", "json"), default="table")
     audit.add_argument("--limit", type=int, help="audit only the first N tasks (default: all)")
-    audit.add_argument("--workers", type=int, default=16, help="parallel episodes (each grading is a sandbox run)")
+    audit.add_argument("--workers", type=int, help="parallel episodes (default: 8 per CPU core, at most 64)")
     audit.set_defaults(func=_cmd_audit)
     return parser
 
