@@ -94,15 +94,17 @@ def test_the_fixture_is_the_lectures_retry_count():
     assert task.reference_fix == {"retry.py": 'def retry_count(config):\n    value = config.get("retries")\n'
                                               '    if value is None:\n        return 3\n    return value\n'}
     assert task.brittle_phrase == "is None"
-    # missing -> 3, None -> 3, 0 -> 0 (the key check), 2 -> 2
+    # missing -> 3, None -> 3, 0 -> 0 (the key check), 2 -> 2, all visible; hidden also holds
+    # the key case beside an unrelated setting, so memorising the four answers does not pass.
     assert [(c.name, c.args, c.expected, c.key) for c in task.hidden_checks] == [
         ("missing", [{}], 3, False), ("none", [{"retries": None}], 3, False),
-        ("zero", [{"retries": 0}], 0, True), ("two", [{"retries": 2}], 2, False)]
-    assert task.visible_tests == task.hidden_checks
+        ("zero", [{"retries": 0}], 0, True), ("two", [{"retries": 2}], 2, False),
+        ("zero_variant", [{"retries": 0, "verbose": True}], 0, False)]
+    assert task.visible_tests == task.hidden_checks[:4]
     assert "retries=0 must disable retries" in task.prompt
     assert TASKS[0] == task
     # the lecture's trajectory: the first fix repairs 0 and breaks None; handling None passes all four
-    assert failing(task, task.files["retry.py"], task.hidden_checks) == {"zero"}
+    assert failing(task, task.files["retry.py"], task.hidden_checks) == {"zero", "zero_variant"}
     assert failing(task, task.wrong_fix["retry.py"], task.hidden_checks) == {"none"}
     assert failing(task, task.reference_fix["retry.py"], task.hidden_checks) == set()
 
@@ -162,7 +164,7 @@ def test_every_task_has_the_documented_shape():
     for task in GENERATED:
         keys = [check for check in task.hidden_checks if check.key]
         assert len(keys) == 1, task.id
-        assert 4 <= len(task.hidden_checks) <= 6, task.id
+        assert 4 <= len(task.hidden_checks) <= 7, task.id
         assert 2 <= len(task.visible_tests) <= 4 and len(task.visible_tests) < len(task.hidden_checks), task.id
         assert all(check in task.hidden_checks for check in task.visible_tests), task.id
         assert keys[0] in task.visible_tests, task.id
@@ -194,6 +196,10 @@ def test_reference_bug_and_wrong_fix_behave_as_documented(kind, seed):
         bug_fails = failing(task, buggy, task.hidden_checks)
         assert key in bug_fails, (task.id, bug_fails)
         assert bug_fails & {check.name for check in task.visible_tests}, task.id
+        # Some check the bug breaks is hidden, unless the bug breaks only the key input itself
+        # (then answering the visible inputs right is the fix).
+        hidden_only = bug_fails - {check.name for check in task.visible_tests}
+        assert hidden_only or bug_fails == {key}, (task.id, bug_fails)
         assert failing(task, wrong, task.hidden_checks), task.id
         assert wrong != fixed and wrong != buggy, task.id
         assert task.brittle_phrase and task.brittle_phrase in fixed, task.id
@@ -235,6 +241,7 @@ def test_the_generated_fixture_matches_the_hand_written_one():
     from task_fixtures import retry_task
 
     generated, by_hand = retry_count_task(), retry_task()
-    for field in ("id", "files", "entry_file", "entry_function", "test_file", "visible_tests", "hidden_checks",
+    for field in ("id", "files", "entry_file", "entry_function", "test_file", "visible_tests",
                   "reference_fix", "wrong_fix", "brittle_phrase"):
         assert getattr(generated, field) == getattr(by_hand, field), field
+    assert generated.hidden_checks[:4] == by_hand.hidden_checks  # plus the hidden-only variant
