@@ -40,8 +40,18 @@ restoration are exercised exactly as in training. Two kinds of probe:
 
 A probe "scores" when its reward is > 0. A false-positive family that scores on any task is
 flagged, and so is a rewrite rejected (not full success) on any task; `keel audit` exits 1 when
-anything is flagged. The report also gives the sandbox's exposure (network, git history, secrets,
-test files), each probed through the env or the grading sandbox, with the mitigation in force.
+anything is flagged. One exception: `hardcode_visible` is a plausible fix where the bug breaks
+only the visible inputs (`peak_change([])` crashing, say: answering [] correctly IS the fix). Its
+score is flagged only when it is distinguishable from the reference fix: both run, in the
+verifier's sandbox, one process each, on the probe inputs (every check's arguments, and each
+perturbed: an unrelated key added to dict arguments, ints shifted, strings prefixed) and are
+compared as the verifier compares (type-aware values, exceptions by name). If they agree on every
+input the score is reported as `scored_but_equivalent` and not flagged. The other false positives
+are hacks by construction (a constant, untouched code, tampered tests, a leaked answer), so any
+score of theirs is flagged.
+
+The report also gives the sandbox's exposure (network, git history, secrets, test files), each
+probed through the env or the grading sandbox, with the mitigation in force.
 
 What it does NOT guarantee:
 - A clean audit does not prove a verifier sound: the probes are the known shortcuts, not all of
@@ -56,8 +66,13 @@ What it does NOT guarantee:
 - Channels no probe tries (a unix socket, a file the host leaves readable outside /tmp) are not
   tested. secret_env reads environment variables only; whether the host user's home is readable
   is an exposure check that lists the directory and reads no credential file.
-- `hardcode_visible` scoring under a sound verifier means the task's hidden checks add no case
-  the bug breaks beyond the visible ones: a finding about the task data, not the verifier.
+- `hardcode_visible` flagged under a sound verifier means the task's hidden checks add no case
+  the bug breaks beyond the visible ones, though a probe input shows the bug elsewhere: a finding
+  about the task data, not the verifier. "Equivalent" means equal on the probe inputs only, a
+  handful of perturbations: a candidate that differs from the fix on other inputs alone passes as
+  equivalent. A comparison that cannot be made (the reference fix fails to import, the sandbox
+  run dies) keeps the score flagged, with the reason; outcomes that differ between two runs of the
+  same code (set order under hash randomisation, time) are differences too.
 """
 
 from __future__ import annotations
@@ -76,7 +91,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -88,7 +103,9 @@ from keelrl.envs.coding import CodingEnv
 from keelrl.envs.tasks import Check, Task
 from keelrl.envs.teacher import edit_action
 from keelrl.sandbox import SECRET_NAME
-from keelrl.verifiers import Verifier, make_verifier
+# `_run_grader` and `_candidate_files` are the verifier's own sandbox run, reused so that the
+# reference fix runs exactly as a graded candidate does (files, restored tests, no .git).
+from keelrl.verifiers import Verifier, _candidate_files, _run_grader, make_verifier, run_checks
 
 FALSE_POSITIVE = "false_positive"
 REWRITE = "rewrite"
@@ -116,6 +133,9 @@ class Probe:
     kind: str
     """false_positive (must earn nothing) | rewrite (must earn full success)."""
     files: Mapping[str, str | None]
+    judged_by_behaviour: bool = False
+    """A false positive that may be an honest fix: a score counts as a hole only when the candidate
+    behaves unlike the reference fix on some probe input (see `compare_with_fix`)."""
 
 
 @dataclass(frozen=True)
@@ -215,7 +235,9 @@ def _hardcode_probe(task: Task, channels: Channels) -> list[Probe]:
     table = {_args_label(check): ("raises", check.raises) if check.raises else ("value", _json_value(check.expected))
              for check in task.visible_tests}
     source = _with_newline(_base_source(task)) + _HARDCODE_TEMPLATE.format(table=table, function=task.entry_function)
-    return [Probe("hardcode_visible", "hardcode_visible", FALSE_POSITIVE, {task.entry_file: source})]
+    # Where the bug breaks only the visible inputs, answering them correctly IS the fix.
+    return [Probe("hardcode_visible", "hardcode_visible", FALSE_POSITIVE, {task.entry_file: source},
+                  judged_by_behaviour=True)]
 
 
 _GIT_TEMPLATE = '''
@@ -781,6 +803,8 @@ class ProbeResult:
     success: bool
     detail: str
     """The failing checks (or, for a false positive that scored, the checks it passed)."""
+    equivalent: bool = False
+    """It scored, but its candidate behaved like the reference fix on every probe input."""
 
     @property
     def scored(self) -> bool:
@@ -788,8 +812,8 @@ class ProbeResult:
 
     @property
     def flagged(self) -> bool:
-        """A false positive that earned reward, or a rewrite that did not earn full success."""
-        return self.scored if self.kind == FALSE_POSITIVE else not self.success
+        """A false positive that earned reward (unless equivalent), or a rewrite short of full success."""
+        return (self.scored and not self.equivalent) if self.kind == FALSE_POSITIVE else not self.success
 
 
 def _result(task: Task, probe: Probe, grade: Grade) -> ProbeResult:
@@ -802,10 +826,125 @@ def _result(task: Task, probe: Probe, grade: Grade) -> ProbeResult:
     return ProbeResult(task.id, probe.name, probe.family, probe.kind, grade.reward, grade.success, detail[:500])
 
 
+def audit_probe(env: CodingEnv, task: Task, probe: Probe) -> ProbeResult:
+    """`probe` on `task` in an episode of `env`; a score of a probe judged by behaviour is then
+    compared with the reference fix (`compare_with_fix`) and reported as equivalent if they agree."""
+    result = _result(task, probe, run_probe(env, task, probe))
+    if not (probe.judged_by_behaviour and result.scored):
+        return result
+    agrees, why = compare_with_fix(env.verifier, task, probe.files)
+    detail = f"{result.detail}; " + (f"behaves like the reference fix on {why}" if agrees
+                                     else f"unlike the reference fix: {why}")
+    return replace(result, equivalent=agrees, detail=detail[:1000])
+
+
 def audit_task(env: CodingEnv, task: Task, channels: Channels) -> list[ProbeResult]:
     """Every probe (false positives, then rewrites) on `task`, each in its own episode of `env`."""
     probes = false_positive_probes(task, channels) + rewrite_probes(task)
-    return [_result(task, probe, run_probe(env, task, probe)) for probe in probes]
+    return [audit_probe(env, task, probe) for probe in probes]
+
+
+# ------------------------------------------------------------------------------ candidate vs fix
+
+PROBE_INPUT_LIMIT = 48
+"""At most this many probe inputs per task (all in one sandbox process, each under the per-call timeout)."""
+_INT_SHIFTS = (-1, 1, 3, 7)
+_STRING_PREFIX = "re"
+_UNRELATED_KEY = "keel_unrelated_setting"
+
+
+def _shift_ints(value: Any, by: int) -> Any:
+    """Every int in `value` (nested in lists and dict values) plus `by`; bools stay as they are."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return value + by
+    if isinstance(value, list):
+        return [_shift_ints(item, by) for item in value]
+    if isinstance(value, dict):
+        return {key: _shift_ints(item, by) for key, item in value.items()}
+    return value
+
+
+def _prefix_strings(value: Any) -> Any:
+    """Every string in `value` (nested in lists and dict values, keys untouched) with a prefix."""
+    if isinstance(value, str):
+        return _STRING_PREFIX + value
+    if isinstance(value, list):
+        return [_prefix_strings(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _prefix_strings(item) for key, item in value.items()}
+    return value
+
+
+def _with_unrelated_key(args: list[Any]) -> list[Any]:
+    """Each dict argument (top level) gains a key the task never mentions."""
+    return [{**arg, _UNRELATED_KEY: True} if isinstance(arg, dict) and _UNRELATED_KEY not in arg else arg
+            for arg in args]
+
+
+def probe_inputs(task: Task) -> list[list[Any]]:
+    """Arguments to tell a candidate from the reference fix: every check's own arguments (hidden
+    and visible), then each of them perturbed: an unrelated key added to dict arguments, every int
+    shifted by each of `_INT_SHIFTS`, every string prefixed. Deduplicated, at most
+    `PROBE_INPUT_LIMIT`, the checks' own arguments first."""
+    originals = [_json_value(check.args) for check in [*task.hidden_checks, *task.visible_tests]]
+    perturbed = [changed for args in originals
+                 for changed in [_with_unrelated_key(args), *[_shift_ints(args, by) for by in _INT_SHIFTS],
+                                 _prefix_strings(args)]]
+    inputs: dict[str, list[Any]] = {}
+    for args in originals + perturbed:
+        inputs.setdefault(json.dumps(args, sort_keys=True), args)
+    return list(inputs.values())[:PROBE_INPUT_LIMIT]
+
+
+def _call_text(task: Task, args: list[Any]) -> str:
+    return f"{task.entry_function}({', '.join(repr(arg) for arg in args)})"
+
+
+def _reference_checks(verifier: Verifier, task: Task, inputs: list[list[Any]]) -> tuple[list[Check], str]:
+    """The reference fix run on `inputs` in the verifier's sandbox -> (one check per input that
+    expects what the fix did, or why it could not run). The fix is task data, possibly a user's:
+    it runs in the sandbox like any candidate, never in this process."""
+    request = {"mode": "checks", "module": task.module, "function": task.entry_function, "calls": inputs,
+               "per_call_timeout": verifier.per_call_timeout}
+    report, reason = _run_grader(verifier.sandbox, _candidate_files(task, task.fixed_files()), request)
+    if report is None:
+        return [], f"the reference fix could not run: {reason}"
+    if "import_error" in report:
+        return [], f"the reference fix could not be imported: {report['import_error']}"
+    outcomes = report.get("results", [])
+    if len(outcomes) != len(inputs):
+        return [], "the reference fix's report is incomplete"
+    checks = []
+    for index, (args, outcome) in enumerate(zip(inputs, outcomes)):
+        name = f"probe_input_{index}"
+        if not outcome.get("ok"):  # the same exception (by name; "Timeout" for a call that timed out)
+            checks.append(Check(name, args, None, raises=str(outcome.get("error"))))
+        elif outcome.get("value") is not None:
+            checks.append(Check(name, args, json.loads(outcome["value"])))
+        # else a value JSON cannot carry (a set...): the grader could not compare it either
+    return checks, ""
+
+
+def compare_with_fix(verifier: Verifier, task: Task, files: Mapping[str, str | None]) -> tuple[bool, str]:
+    """Does the candidate (the task's files with `files` written over them, None deleting) behave
+    like the reference fix on every `probe_inputs(task)`? -> (agrees, what was compared or how
+    they differ). Both run in `verifier`'s sandbox, one process each, and are compared as the
+    verifier compares (`run_checks`: type-aware values, exceptions by name). A comparison that
+    cannot be made is a disagreement: the score then stays flagged, with the reason."""
+    inputs = probe_inputs(task)
+    checks, reason = _reference_checks(verifier, task, inputs)
+    if reason:
+        return False, reason
+    candidate = {path: text for path, text in {**task.files, **files}.items() if text is not None}
+    results = run_checks(task, candidate, checks, verifier.sandbox, verifier.per_call_timeout)
+    differing = [(check, result) for check, result in zip(checks, results) if not result.passed]
+    if not differing:
+        return True, f"{len(checks)} probe inputs"
+    shown = "; ".join(f"{_call_text(task, check.args)}: {result.detail}" for check, result in differing[:3])
+    return False, (f"differs on {len(differing)} of {len(checks)} probe inputs (expected: the fix's outcome), "
+                   f"e.g. {shown}")
 
 
 @contextmanager
@@ -1062,6 +1201,8 @@ class FamilySummary:
     mean_reward: float
     """Over the probe runs."""
     flagged_tasks: list[str] = field(default_factory=list)
+    equivalent_tasks: list[str] = field(default_factory=list)
+    """Tasks where a probe scored but behaved like the reference fix (not flagged)."""
 
     @property
     def flagged(self) -> bool:
@@ -1093,7 +1234,8 @@ class AuditReport:
                 scored_tasks=len({r.task_id for r in mine if r.scored}),
                 success_tasks=len({r.task_id for r in mine if r.success}),
                 mean_reward=sum(r.reward for r in mine) / len(mine),
-                flagged_tasks=list(dict.fromkeys(r.task_id for r in mine if r.flagged))))
+                flagged_tasks=list(dict.fromkeys(r.task_id for r in mine if r.flagged)),
+                equivalent_tasks=list(dict.fromkeys(r.task_id for r in mine if r.scored and r.equivalent))))
         return rows
 
     @property
@@ -1109,9 +1251,11 @@ class AuditReport:
             "verifier": self.verifier, "tasks": len(self.task_ids), "flagged": self.flagged,
             "seconds": round(self.seconds, 2), "workers": self.workers, "isolation": self.isolation,
             "probes": {row.family: {"kind": row.kind, "tasks": row.tasks, "probes": row.probes,
-                                    "scored_tasks": row.scored_tasks, "success_tasks": row.success_tasks,
+                                    "scored_tasks": row.scored_tasks,
+                                    "scored_but_equivalent": len(row.equivalent_tasks),
+                                    "success_tasks": row.success_tasks,
                                     "mean_reward": round(row.mean_reward, 4), "flagged": row.flagged,
-                                    "flagged_tasks": row.flagged_tasks}
+                                    "flagged_tasks": row.flagged_tasks, "equivalent_tasks": row.equivalent_tasks}
                        for row in families},
             "exposure": [asdict(item) for item in self.exposure],
             "findings": [asdict(result) for result in self.results if result.flagged],
@@ -1176,14 +1320,18 @@ def print_report(report: AuditReport, console: Console, examples: int = 3) -> No
     """The report as rich tables: probes, exposure, then a few findings per flagged family."""
     probes = Table(title=f"keel audit: {len(report.task_ids)} tasks, verifier {report.verifier!r} "
                          f"({report.seconds:.0f} s, {report.workers} workers)")
-    for column in ("probe", "must", "tasks", "runs", "scores (reward > 0)", "full success", "mean reward", "verdict"):
+    for column in ("probe", "must", "tasks", "runs", "scores (reward > 0)", "of which like the fix", "full success",
+                   "mean reward", "verdict"):
         probes.add_column(column, overflow="fold")
     for row in report.families():
         must = "earn nothing" if row.kind == FALSE_POSITIVE else "pass in full"
         bad = (f"scores on {len(row.flagged_tasks)}" if row.kind == FALSE_POSITIVE
                else f"rejected on {len(row.flagged_tasks)}")
         verdict = f"[bold red]FLAGGED[/]: {bad}" if row.flagged else "[green]ok[/]"
+        if row.equivalent_tasks:
+            verdict += f" ({len(row.equivalent_tasks)} indistinguishable from the fix)"
         probes.add_row(row.family, must, str(row.tasks), str(row.probes), str(row.scored_tasks),
+                       str(len(row.equivalent_tasks)) if row.kind == FALSE_POSITIVE else "",
                        str(row.success_tasks), f"{row.mean_reward:.3f}", verdict)
     console.print(probes)
     exposure = Table(title=f"sandbox exposure (in force: {', '.join(report.isolation) or 'unknown'})", show_lines=True)

@@ -5,6 +5,8 @@ The holes are built here on purpose, one per probe, so that a probe that silentl
 (and so could never score) fails its test instead of passing vacuously:
 
 - `weak` (only the key check) pays the constant the key case expects and the hard-coded answers;
+- `VisibleOnly` (only the visible tests' cases) pays the hard-coded answers on every task, which
+  is flagged only where they behave unlike the reference fix;
 - `strong` with partial credit pays the unchanged code for the checks it already passes;
 - `TrustsTestFile` grades by the visible test file as the agent left it (and a missing file has
   no failing test): deleting or rewriting the tests pays;
@@ -34,12 +36,13 @@ from typing import Any, Iterator, Mapping, Sequence
 import pytest
 
 from keelrl.audit import (CANARY_VAR, FALSE_POSITIVE, FALSE_POSITIVE_PROBES, MAX_PROBE_CHARS, REWRITE, REWRITES,
-                          Channels, answer_server, audit_task, check_exposure, default_env, false_positive_probes,
-                          planted_secret, rewrite_probes, rewrite_source, run_probe)
+                          Channels, Probe, answer_server, audit_probe, audit_task, check_exposure, compare_with_fix,
+                          default_env, false_positive_probes, planted_secret, probe_inputs, rewrite_probes,
+                          rewrite_source, run_probe)
 from keelrl.envs.base import CheckResult, Grade
 from keelrl.envs.coding import CodingEnv
 from keelrl.envs.coding_tasks import bundled_tasks
-from keelrl.envs.tasks import Check, Task, save_tasks
+from keelrl.envs.tasks import Check, Task, render_test_file, save_tasks
 from keelrl.sandbox import IsolationReport, Sandbox, SandboxLimits, SandboxResult
 from keelrl.verifiers import Verifier, make_verifier, run_visible_tests
 from task_fixtures import FIXED, retry_task
@@ -47,11 +50,21 @@ from task_fixtures import FIXED, retry_task
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="the coding env needs git")
 
 # The lecture's fixture shows every hidden check in its test file, so memorising the visible answers
-# passes even `strong` (see test_hardcoding_passes_strong_when_every_hidden_check_is_visible).
+# passes even `strong`, and the audit flags it (see test_hardcoding_passes_strong_...).
 # COVERED adds one hidden-only check the bug breaks (`or 3` turns this 0 into 3 as well).
 FIXTURE = retry_task()
 COVERED = dataclasses.replace(FIXTURE, hidden_checks=[*FIXTURE.hidden_checks,
                                                       Check("zero_other_keys", [{"retries": 0, "debug": True}], 0)])
+# The bug breaks only the visible input []: max(deltas) and max(deltas, default=0) agree on every
+# other list, so the hard-coded answers behave exactly like the fix and no hidden check can tell.
+GUARD_CHECKS = [Check("empty", [[]], 0, key=True), Check("single", [[7]], 7), Check("mixed", [[4, -4, 38]], 38)]
+EMPTY_ONLY = Task(
+    id="best_delta", kind="missing_empty_guard", prompt="best_delta([]) must be 0, not a crash.",
+    files={"deltas.py": "def best_delta(deltas):\n    return max(deltas)\n",
+           "test_deltas.py": render_test_file("deltas", "best_delta", GUARD_CHECKS[:2])},
+    entry_file="deltas.py", entry_function="best_delta", test_file="test_deltas.py",
+    visible_tests=GUARD_CHECKS[:2], hidden_checks=GUARD_CHECKS,
+    reference_fix={"deltas.py": "def best_delta(deltas):\n    return max(deltas, default=0)\n"})
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -67,6 +80,15 @@ class TrustsTestFile(Verifier):
         failed = [] if error else [result["name"] for result in results if not result["passed"]]
         return Grade(reward=float(not failed), checks=(CheckResult("visible_tests", not failed, ", ".join(failed)),),
                      verifier=self.name)
+
+
+class VisibleOnly(Verifier):
+    """Grades by the visible tests' cases only: memorising their answers pays on every task."""
+
+    name = "visible_only"
+
+    def checks_for(self, task: Task) -> list[Check]:
+        return list(task.visible_tests)
 
 
 class NoSandbox(Sandbox):
@@ -199,10 +221,51 @@ def test_constant_probes_are_one_per_distinct_visible_value(channels):
         ["constant_0", "constant_false", "constant_0.0", 'constant_[1, "x"]']
 
 
+def hardcode(task: Task, channels: Channels) -> Probe:
+    return FALSE_POSITIVE_PROBES["hardcode_visible"](task, channels)[0]
+
+
 def test_hardcoding_passes_strong_when_every_hidden_check_is_visible(channels, real_env):
     # A finding about the task data, not the verifier: the fixture's hidden checks are its visible
-    # tests, so no behavioural verifier can tell memorised answers from a fix.
-    assert rewards(real_env, FIXTURE, "hardcode_visible", channels) == {"hardcode_visible": 1.0}
+    # tests, so the checks cannot tell memorised answers from a fix; a probe input can, and so
+    # the score is flagged: {"retries": 0} plus an unrelated key goes to `or 3`.
+    result = audit_probe(real_env, FIXTURE, hardcode(FIXTURE, channels))
+    assert (result.reward, result.equivalent, result.flagged) == (1.0, False, True)
+    assert "retry_count({'retries': 0, 'keel_unrelated_setting': True}): expected 0, got 3" in result.detail
+
+
+def test_probe_inputs_by_hand():
+    task = dataclasses.replace(FIXTURE, hidden_checks=[Check("a", ["ab", 2, True, {"n": 1}], 0)],
+                               visible_tests=[Check("a", ["ab", 2, True, {"n": 1}], 0)])
+    # Each check's own arguments (the visible duplicate once), then: an unrelated key in the dict,
+    # ints (nested ones too, never bools) shifted by -1, 1, 3, 7, strings prefixed with "re".
+    assert probe_inputs(task) == [
+        ["ab", 2, True, {"n": 1}], ["ab", 2, True, {"n": 1, "keel_unrelated_setting": True}],
+        ["ab", 1, True, {"n": 0}], ["ab", 3, True, {"n": 2}], ["ab", 5, True, {"n": 4}], ["ab", 9, True, {"n": 8}],
+        ["reab", 2, True, {"n": 1}]]
+
+
+def test_hardcoding_is_flagged_only_where_it_behaves_unlike_the_fix(channels):
+    env = default_env(VisibleOnly(Sandbox()))
+    try:
+        memorised = audit_probe(env, EMPTY_ONLY, hardcode(EMPTY_ONLY, channels))
+        hole = audit_probe(env, COVERED, hardcode(COVERED, channels))
+    finally:
+        env.close()
+    # The table answers [] with 0; every other probe input goes to max(), as in the fix. The inputs:
+    # [[]], [[7]], [[4, -4, 38]], and the two non-empty lists with ints shifted by -1, 1, 3, 7
+    # ([] has no ints, there are no dicts or strings): 3 + 2 * 4 = 11.
+    assert (memorised.reward, memorised.equivalent, memorised.flagged) == (1.0, True, False)
+    assert "behaves like the reference fix on 11 probe inputs" in memorised.detail
+    # The hidden {"retries": 0, "debug": True} goes to the buggy `or 3`: 3 where the fix gives 0.
+    assert (hole.reward, hole.equivalent, hole.flagged) == (1.0, False, True)
+    assert "retry_count({'retries': 0, 'debug': True}): expected 0, got 3" in hole.detail
+
+
+def test_a_comparison_that_cannot_be_made_keeps_the_score_flagged(channels):
+    broken = dataclasses.replace(EMPTY_ONLY, reference_fix={"deltas.py": "def best_delta(deltas):\n    return (\n"})
+    agrees, why = compare_with_fix(Verifier(Sandbox()), broken, hardcode(broken, channels).files)
+    assert not agrees and why.startswith("the reference fix could not be imported: SyntaxError"), why
 
 
 def test_probes_really_go_through_the_env(real_env, channels):
@@ -379,18 +442,21 @@ def test_keel_audit_exit_status_and_json_per_verifier(tmp_path):
     assert {"none_equality", "none_membership"} <= rejected  # no "is None" in them
     assert all(brittle["probes"][name]["probes"] >= 1 for name in REWRITES if name in brittle["probes"])
 
-    # strong flags only the task-data finding on the bundled tasks (the fixture and the first
-    # falsy_or_default task show every check the bug breaks), and nothing on a task without it.
+    # strong flags nothing on the bundled tasks: each keeps some input the bug breaks hidden.
     code, strong = keel_audit("--verifier", "strong", "--limit", "3")
-    assert code == 1 and flagged_families(strong) == {"hardcode_visible"}
+    assert code == 0 and not strong["flagged"] and flagged_families(strong) == set()
     assert strong["probes"]["constant"]["scored_tasks"] == 0
     assert strong["probes"]["rename_locals"]["success_tasks"] == strong["probes"]["rename_locals"]["tasks"]
     assert not any(item["exposed"] for item in strong["exposure"]), strong["exposure"]
-    save_tasks([COVERED], tmp_path / "covered.jsonl")
-    code, clean = keel_audit("--verifier", "strong", "--tasks", str(tmp_path / "covered.jsonl"))
+    # On a task whose bug breaks only the visible input, the hard-coded answers score and are
+    # reported as equivalent to the fix, not flagged.
+    save_tasks([COVERED, EMPTY_ONLY], tmp_path / "tasks.jsonl")
+    code, clean = keel_audit("--verifier", "strong", "--tasks", str(tmp_path / "tasks.jsonl"))
     assert code == 0 and not clean["flagged"] and clean["findings"] == []
     row = clean["probes"]["hardcode_visible"]
-    assert (row["tasks"], row["scored_tasks"], row["mean_reward"]) == (1, 0, 0.0)
+    assert (row["tasks"], row["scored_tasks"], row["scored_but_equivalent"], row["mean_reward"]) == (2, 1, 1, 0.5)
+    assert row["equivalent_tasks"] == ["best_delta"] and not row["flagged"]
+    assert clean["rewards"]["best_delta"]["hardcode_visible"] == 1.0
     assert set(clean["rewards"]["retry_count"]) >= {"unchanged", "network", "secret_env", "none_equality"}
 
 

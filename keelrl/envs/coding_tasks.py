@@ -151,7 +151,8 @@ def _task(task_id: str, kind: str, draft: _Draft, rng: random.Random) -> Task:
         raise ValueError(f"{task_id}: needs >= 4 checks and exactly one key check, got {draft.checks}")
     others = [check for check in draft.checks if not check.key]
     function = _load(draft.source, draft.function)
-    failing_others = [check for check in others if not _passes(function, check)]
+    failing_others = [check for check in others
+                      if not _passes(function, check) and repr(check.args) != repr(keys[0].args)]
     reserved = rng.choice(failing_others) if failing_others else None
     candidates = [check for check in others if check is not reserved]
     extra = rng.randint(1, min(3, len(candidates) - (0 if reserved else 1)))
@@ -217,9 +218,11 @@ def _variant_args(args: list[Any]) -> list[list[Any]]:
     out += [_shift_ints(args, by) for by in (3, 7, 12)]
     strings = [i for i, a in enumerate(args) if isinstance(a, str) and a]
     if strings:
-        changed = list(args)
-        changed[strings[0]] = "re" + changed[strings[0]]
-        out.append(changed)
+        first, every = list(args), list(args)
+        first[strings[0]] = "re" + first[strings[0]]
+        for i in strings:
+            every[i] = "re" + every[i]
+        out += [first, every]
     return [candidate for candidate in out if candidate != args]
 
 
