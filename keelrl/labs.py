@@ -171,8 +171,8 @@ def lab_stale_ratios(out: Path, overrides: Sequence[str], quick: bool,
     from keelrl.rollout.trajectory import collate
     from keelrl.train.trainer import Trainer
 
-    staleness = 2 if quick else 6
-    cfg = _config(out / "run", [*overrides, "train.lr=5e-4"])
+    staleness = 2 if quick else 4
+    cfg = _config(out / "run", list(overrides))
     trainer = Trainer(cfg)
     progress("warm start")
     trainer.warm_start()
@@ -202,10 +202,11 @@ def lab_stale_ratios(out: Path, overrides: Sequence[str], quick: bool,
                                "episodes": len(behaviour), "action_tokens_max": longest}
     for name, (preset, eps_low, eps_high) in RATIO_CLIPS.items():
         algo = AlgoConfig(preset=preset, ratio=name, max_log_ratio=80.0)
-        by_k, clipped_by_k, by_length = [], [], []
+        by_k, clipped_by_k, by_length, spread_by_k = [], [], [], []
         for k, logp in enumerate(learner_logp):
             ratio = RATIOS.get(name)(logp, batch.behaviour_logprobs, mask, algo).double()
             by_k.append(float(ratio[mask].max()))
+            spread_by_k.append(float(torch.maximum(ratio[mask], 1 / ratio[mask]).max()))
             outside = ((ratio < 1 - eps_low) | (ratio > 1 + eps_high)) & mask
             clipped_by_k.append(float(outside.sum() / mask.sum()))
         for n in lengths:  # the same ratio on each row's first n action tokens, at max staleness
@@ -213,6 +214,7 @@ def lab_stale_ratios(out: Path, overrides: Sequence[str], quick: bool,
             ratio = RATIOS.get(name)(learner_logp[-1], batch.behaviour_logprobs, prefix, algo).double()
             by_length.append(float(ratio[prefix].max()))
         results["ratios"][name] = {"max_weight_by_staleness": by_k, "clipped_frac_by_staleness": clipped_by_k,
+                                   "max_deviation_by_staleness": spread_by_k,
                                    "max_weight_by_length": by_length, "clip": [eps_low, eps_high]}
     token_log = (learner_logp[-1] - batch.behaviour_logprobs)[mask].double()
     results["token_log_ratio_abs_mean_at_max_staleness"] = float(token_log.abs().mean())
@@ -239,20 +241,22 @@ def lab_stale_ratios(out: Path, overrides: Sequence[str], quick: bool,
     plt.close(figure)
 
     ratios = results["ratios"]
-    rows = [(name, *[d["max_weight_by_staleness"][k] for k in (0, staleness)], d["max_weight_by_length"][-1],
+    rows = [(name, *[d["max_weight_by_staleness"][k] for k in (0, staleness)],
+             d["max_deviation_by_staleness"][staleness], d["max_weight_by_length"][-1],
              d["clipped_frac_by_staleness"][staleness]) for name, d in results["ratios"].items()]
     summary = "\n".join([
         "# Lab: stale ratios", "",
         f"One batch of {len(behaviour)} real rollouts (tiny model after a short warm start) is scored by learners "
-        f"0..{staleness} updates ahead (each a real GRPO step on that step's batch, lr 5e-4). Longest trajectory: "
+        f"0..{staleness} updates ahead (each a real GRPO step on that step's batch, lr {cfg.train.lr:g}). Longest trajectory: "
         f"{longest} action tokens; mean |log pi/mu| per token at staleness {staleness}: "
         f"{results['token_log_ratio_abs_mean_at_max_staleness']:.4f}.", "",
         _table(["ratio", "max weight, fresh", f"max weight, staleness {staleness}",
-                f"max weight, {lengths[-1]} tokens", f"share of tokens outside its clip, staleness {staleness}"],
+                f"max of w and 1/w, staleness {staleness}", f"max weight, {lengths[-1]} tokens", f"share of tokens outside its clip, staleness {staleness}"],
                rows), "",
-        f"At staleness {staleness} the cumulative product's max weight is "
-        f"{ratios['cumulative']['max_weight_by_staleness'][-1] / ratios['token']['max_weight_by_staleness'][-1]:.3g}x "
-        f"the per-token ratio's: it multiplies every token's drift, as 1.05 ** 100 = 131.5 does (dashed). "
+        f"At staleness {staleness} the cumulative product strays from 1 by a factor of up to "
+        f"{ratios['cumulative']['max_deviation_by_staleness'][-1]:.3g} (max of w and 1/w), the per-token ratio by "
+        f"{ratios['token']['max_deviation_by_staleness'][-1]:.3g}: the product multiplies every token's drift, "
+        f"as 1.05 ** 100 = 131.5 does (dashed). "
         f"GSPO's length-normalised ratio ({ratios['sequence']['max_weight_by_staleness'][-1]:.3g}) stays nearest 1, "
         f"but with its clip band of 1 +- 3e-4 {ratios['sequence']['clipped_frac_by_staleness'][-1]:.0%} of tokens "
         f"fall outside it. Fresh weights sit slightly below 1 because sampling never draws the pad token, whose "
