@@ -13,7 +13,8 @@ the one setting the lab is about.
 - stale-ratios: how large importance weights get as the learner moves away from the policy
   that sampled a batch, for each ratio (token, GSPO sequence, cumulative product, CTPO), by
   staleness and by trajectory length, and what share of tokens each clip rule then stops.
-- dynamic-sampling: DAPO with and without dynamic sampling: zero-advantage fraction and reward.
+- dynamic-sampling: DAPO with and without dynamic sampling on the guessing game (where many
+  groups all fail or all succeed): zero-advantage fraction, extra draws, success.
 - entropy: no entropy bonus vs a bonus: entropy over training and distinct patches per group.
 - reward-hacking: the same budget trained on the `weak` verifier and on `strong`, both
   evaluated by `strong` on held-out tasks; the divergence alarm's verdict on each.
@@ -33,6 +34,12 @@ LAB_FAST = ["rollout.tasks_per_step=4", "rollout.group_size=4", "rollout.max_new
             "train.eval_tasks=40", "train.sample_trajectories=2", "train.checkpoint_every=1000",
             "warm_start.demos=128", "warm_start.epochs=3", "rollout.engine=sync"]
 """Budget shared by the labs' training runs (one warm start, short RL, a 40-task held-out eval)."""
+
+GUESS = ["env.name=guess", "env.max_turns=5", "rollout.max_new_tokens=24", "rollout.tasks_per_step=8",
+         "warm_start.demos=256", "warm_start.mistake_rate=0.6", "train.eval_tasks=100"]
+"""The guessing-game labs (credit, dynamic-sampling): find 1..16 in 5 guesses, after a warm start
+on a teacher that errs."""
+
 
 QUICK = ["rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=16", "env.max_turns=2",
          "train.eval_tasks=4", "warm_start.demos=8", "warm_start.epochs=1", "train.minibatch_size=4"]
@@ -269,10 +276,12 @@ def lab_stale_ratios(out: Path, overrides: Sequence[str], quick: bool,
 
 def lab_dynamic_sampling(out: Path, overrides: Sequence[str], quick: bool,
                          progress: Callable[[str], None]) -> LabResult:
-    steps = 2 if quick else 10
-    variants = {"dapo": ["algo.preset=dapo", f"train.steps={steps}", f"train.eval_every={steps}"],
-                "dapo-no-dynamic": ["algo.preset=dapo", "algo.dynamic_sampling=false", f"train.steps={steps}",
-                                    f"train.eval_every={steps}"]}
+    """On the guessing game, where a fair share of groups all fail (or all succeed)."""
+    steps = 2 if quick else 12
+    common = ["algo.preset=dapo", f"train.steps={steps}", f"train.eval_every={max(1, steps // 3)}",
+              "rollout.dynamic_max_extra_groups=16"]
+    variants = {"dapo": common, "dapo-no-dynamic": [*common, "algo.dynamic_sampling=false"]}
+    overrides = [*overrides, *GUESS, *(["warm_start.demos=16", "train.eval_tasks=4"] if quick else [])]
     runs = _train_variants(out, variants, overrides, progress)
     chart = _plot_variants(out / "dynamic_sampling.png", runs,
                            [("train/zero_advantage_frac", "zero-advantage fraction (trained batch)"),
@@ -286,7 +295,8 @@ def lab_dynamic_sampling(out: Path, overrides: Sequence[str], quick: bool,
                        "step_s_mean": _mean([v for _, v in _series(rows, "time/step_s")])}
                for label, rows in runs.items()}
     summary = "\n".join(["# Lab: dynamic sampling", "",
-                         f"DAPO for {steps} steps from one warm start, with and without dynamic sampling.", "",
+                         f"DAPO for {steps} steps on the guessing game (1..16, 5 guesses) from one warm start, "
+                         f"with and without dynamic sampling (at most 16 extra groups a step).", "",
                          _table(["variant", "zero-adv frac (trained)", "zero-adv frac (before filter)",
                                  "draws per kept group", "reward first", "reward last", "held-out success after",
                                  "held-out partial after", "s/step"],
@@ -359,11 +369,6 @@ def lab_reward_hacking(out: Path, overrides: Sequence[str], quick: bool,
                          "key check earns full training reward under `weak` and nothing from the held-out eval.",
                          "", f"Chart: {chart.name}"])
     return LabResult("reward-hacking", numbers, summary, [chart])
-
-
-GUESS = ["env.name=guess", "env.max_turns=5", "rollout.max_new_tokens=24", "rollout.tasks_per_step=8",
-         "warm_start.demos=256", "warm_start.mistake_rate=0.6", "train.eval_tasks=100"]
-"""The credit lab's game: find 1..16 in 5 guesses, after a warm start on a teacher that errs."""
 
 
 def _turn_table(trajectory: Any, advantages: dict[str, Any]) -> list[dict[str, Any]]:
