@@ -365,8 +365,9 @@ def lab_reward_hacking(out: Path, overrides: Sequence[str], quick: bool,
                                 [(k, v["reward_first"], v["reward_last"], v["eval_before"], v["eval_after"],
                                   v["eval_partial_after"], ", ".join(v["alarms"]) or "none")
                                  for k, v in numbers.items()]), "",
-                         "Read the trajectories in weak/samples/ and weak/alarms/: a patch that only satisfies the "
-                         "key check earns full training reward under `weak` and nothing from the held-out eval.",
+                         "Where `weak` is hacked, a patch that satisfies only the key check earns full training "
+                         "reward and nothing from the held-out eval: read weak/samples/ and weak/alarms/ to see "
+                         "which happened in this run.",
                          "", f"Chart: {chart.name}"])
     return LabResult("reward-hacking", numbers, summary, [chart])
 
