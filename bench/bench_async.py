@@ -1,30 +1,35 @@
 """Sync against async rollouts: RL wall-clock on tools with heavy-tailed latency, same budget.
 
 Two runs of the real `Trainer`, one after the other in this process, identical but for
-`rollout.engine`: same seed, same warm start, same tasks per step, same group size, same
+`rollout.engine`: same seed, same warm-started weights, same tasks per step, group size and
 number of RL steps, so both train on the same number of trajectories. Every training
 environment's `step` sleeps a heavy-tailed amount before returning (by default 85% of calls
 about 0.05 s, 15% about 1.0 s), standing in for slow tool calls; evaluation environments do
-not sleep.
+not sleep. The warm start runs once, before both, and is saved (`OUT/warm_start/model`); both
+runs load it with `model.path` and skip their own.
 
-What is timed: the RL phase only, from just before the engine is built (after the warm start
-and the evaluation before RL) to the end of the last step, less the time of evaluations
-inside it (only the one after the last step: `train.eval_every` is set past the last step,
-because an evaluation in the learner's thread lets the async rollout thread run ahead and
-would flatter async). The sum of the per-step `time/step_s` is reported beside it.
+What is timed: the RL phase only, from just before the engine is built (after the evaluation
+before RL) to the end of the last step, less the evaluation after the last step
+(`train.eval_every` is set past the last step: an evaluation in the learner's thread in
+mid-run would let the async rollout thread work ahead for free). The sum of the per-step
+`time/step_s` is reported beside it. So is the CPU other processes used meanwhile: on a
+shared 2-core machine that, not the engine, can decide the result.
 
 What is NOT guaranteed:
 - the two runs see the same latencies per (task, occurrence of the task, turn), drawn from
   a generator seeded with those, but not per trajectory: within a group the order in which
   attempts reset is up to the thread pool, and once the policies diverge the episodes differ
-  in length, so the total sleep differs a little (it is reported);
-- equal held-out success: the async run trains on slightly stale data; the numbers are what
-  they are, with their binomial standard error on `--eval-tasks` tasks;
-- the warm starts are identical only if the machine is deterministic (the pre-RL evaluations
-  are compared and the report says whether they agree).
+  in length; the async engine also runs the episodes of `max_staleness` steps past the last
+  one, which nobody trains on; the total sleep is reported;
+- equal held-out success: the async run trains on stale data; the numbers are what they are,
+  with a (conservative) binomial standard error over `--eval-tasks` tasks;
+- the same held-out numbers on another checkout: the warm start and the evaluation depend on
+  the bundled tasks; within one invocation the report says whether the two pre-RL
+  evaluations agree.
 
-    python bench/bench_async.py               # about 10 minutes on 2 cores
-    python bench/bench_async.py --quick       # a smoke run, about 2 minutes
+    python bench/bench_async.py                      # warm start (~5-14 min), then ~5 min of runs
+    python bench/bench_async.py --reuse-warm-start   # reuse OUT/warm_start: ~5 min
+    python bench/bench_async.py --quick              # smoke run, about 1 minute on a quiet machine
 """
 
 from __future__ import annotations
@@ -43,12 +48,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from keelrl.config import load_config
 from keelrl.monitor import read_metrics
 from keelrl.train.trainer import Trainer
 
 DEFAULTS: dict[str, Any] = {"steps": 8, "tasks_per_step": 4, "group_size": 4, "max_turns": 4, "max_new_tokens": 64,
-                            "eval_tasks": 40, "demos": 64, "warm_epochs": 2}
+                            "eval_tasks": 40, "demos": 448, "warm_epochs": 6}
 QUICK: dict[str, Any] = {"steps": 2, "tasks_per_step": 2, "group_size": 4, "max_turns": 3, "max_new_tokens": 32,
                          "eval_tasks": 8, "demos": 16, "warm_epochs": 1}
 ENGINE_ORDER = ("sync", "async")
@@ -96,6 +103,8 @@ class SlowToolEnv:
         return result
 
     def __getattr__(self, name: str) -> Any:  # grade, close, max_turns, ...
+        if name.startswith("_"):  # not yet set (unpickling): no recursion through self._inner
+            raise AttributeError(name)
         return getattr(self._inner, name)
 
 
@@ -136,10 +145,27 @@ class SlowToolEnvFactory:
 
 
 # --------------------------------------------------------------------------- the runs
-def _cpu_s() -> float:
-    """CPU seconds of this process and its reaped children (sandboxed tool calls and gradings)."""
+def _clock() -> tuple[float, float, float]:
+    """(wall s, CPU s of this process and its reaped children, busy CPU s of the whole machine).
+
+    The machine's busy time, from /proc/stat, less this process's own shows whether something
+    else (another job on a shared box) took CPU during the measurement: on 2 cores a second
+    busy process makes every 2-thread torch op wait on a descheduled thread, and timings are
+    then worth little. NaN where /proc/stat does not exist.
+    """
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    cpu = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = fields[3] + fields[4]  # idle + iowait
+        busy = (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # user .. steal; guest is inside user
+    except (OSError, ValueError, IndexError):
+        busy = math.nan
+    return time.monotonic(), cpu, busy
+
+
+def _since(start: tuple[float, float, float]) -> tuple[float, float, float]:
+    return tuple(now - then for now, then in zip(_clock(), start))  # type: ignore[return-value]
 
 
 class BenchTrainer(Trainer):
@@ -149,25 +175,24 @@ class BenchTrainer(Trainer):
         super().__init__(cfg, progress=progress)
         self.latency = latency
         self.tools: SlowToolEnvFactory | None = None
-        self.evaluations: list[tuple[float, float, float]] = []
-        """(start wall, wall seconds, CPU seconds) of each evaluation."""
+        self.evaluations: list[tuple[float, tuple[float, float, float]]] = []
+        """(start, (wall, own CPU, machine busy) seconds) of each evaluation."""
 
     def train_env_factory(self) -> Callable[[], Any]:
         self.tools = SlowToolEnvFactory(super().train_env_factory(), self.latency, self.cfg.seed)
         return self.tools
 
     def evaluate(self, tasks: Any = None) -> dict[str, float]:
-        start, cpu = time.monotonic(), _cpu_s()
+        start = _clock()
         out = super().evaluate(tasks)
-        self.evaluations.append((start, time.monotonic() - start, _cpu_s() - cpu))
+        self.evaluations.append((start[0], _since(start)))
         return out
 
 
-def overrides_for(args: argparse.Namespace, engine: str, run_dir: Path) -> list[str]:
+def overrides_for(args: argparse.Namespace, engine: str, run_dir: Path, model_path: str) -> list[str]:
     never = args.steps + 1  # evaluate and checkpoint only after the last step
-    return [f"seed={args.seed}", "model.path=tiny", "device=cpu", f"run_dir={run_dir}",
-            f"algo.preset={args.preset}",
-            f"warm_start.demos={args.demos}", f"warm_start.epochs={args.warm_epochs}",
+    return [f"seed={args.seed}", f"model.path={model_path}", "device=cpu", f"run_dir={run_dir}",
+            f"algo.preset={args.preset}", "warm_start.demos=0",
             f"env.max_turns={args.max_turns}",
             f"rollout.engine={engine}", f"rollout.max_staleness={args.max_staleness}",
             f"rollout.interruptible={str(not args.no_interruptible).lower()}",
@@ -177,21 +202,52 @@ def overrides_for(args: argparse.Namespace, engine: str, run_dir: Path) -> list[
             f"train.eval_every={never}", f"train.checkpoint_every={never}", *args.override]
 
 
-def run_engine(args: argparse.Namespace, engine: str, latency: ToolLatency) -> dict[str, Any]:
+def warm_start_once(args: argparse.Namespace) -> Path:
+    """Warm-start the tiny model once and save it; both runs start RL from these weights.
+
+    With --reuse-warm-start an earlier one of the same settings is used as it is.
+    """
+    folder = args.out / "warm_start"
+    model_dir = folder / "model"
+    settings = {"seed": args.seed, "demos": args.demos, "epochs": args.warm_epochs, "max_turns": args.max_turns,
+                "overrides": args.override}
+    recorded = folder / "settings.json"
+    if args.reuse_warm_start and recorded.exists() and json.loads(recorded.read_text()) == settings:
+        print(f"[warm start] reusing {model_dir}", flush=True)
+        return model_dir
+    if folder.exists():
+        shutil.rmtree(folder)
+    cfg = load_config(None, [f"seed={args.seed}", "model.path=tiny", "device=cpu", f"run_dir={folder}",
+                             f"warm_start.demos={args.demos}", f"warm_start.epochs={args.warm_epochs}",
+                             f"env.max_turns={args.max_turns}", *args.override])
+
+    def progress(event: str, info: dict[str, Any]) -> None:
+        if event == "warm_start":
+            print(f"[warm start] {info['demos']} successful teacher demos of {args.demos}", flush=True)
+        elif event == "warm_start_epoch":
+            print(f"[warm start] epoch {info['epoch']}/{args.warm_epochs}: loss {info['loss']:.3f}", flush=True)
+
+    started = time.monotonic()
+    trainer = Trainer(cfg, progress=progress)
+    trainer.warm_start()
+    trainer.model.save_pretrained(model_dir)
+    trainer.tokenizer.save_pretrained(model_dir)
+    recorded.write_text(json.dumps(settings) + "\n")
+    print(f"[warm start] done in {time.monotonic() - started:.0f} s; saved {model_dir}", flush=True)
+    return model_dir
+
+
+def run_engine(args: argparse.Namespace, engine: str, latency: ToolLatency, model_dir: Path) -> dict[str, Any]:
     """Train with `engine`; returns its metrics rows, RL-phase clock and tool delays."""
     run_dir = args.out / engine
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    cfg = load_config(None, overrides_for(args, engine, run_dir))
-    marks: dict[str, tuple[float, float]] = {}
+    cfg = load_config(None, overrides_for(args, engine, run_dir, str(model_dir)))
+    marks: dict[str, tuple[float, float, float]] = {}
 
     def progress(event: str, info: dict[str, Any]) -> None:
-        now = (time.monotonic(), _cpu_s())
-        if event == "warm_start":
-            print(f"[{engine}] warm start on {info['demos']} teacher demos", flush=True)
-        elif event == "warm_start_epoch":
-            print(f"[{engine}] warm start epoch {info['epoch']}: loss {info['loss']:.3f}", flush=True)
-        elif event == "eval" and info["step"] == 0:
+        now = _clock()
+        if event == "eval" and info["step"] == 0:
             marks["rl_start"] = now
             print(f"[{engine}] eval before RL: success {info['eval/success']:.3f}, "
                   f"partial {info['eval/partial']:.3f}; RL starts", flush=True)
@@ -209,13 +265,16 @@ def run_engine(args: argparse.Namespace, engine: str, latency: ToolLatency) -> d
     trainer = BenchTrainer(cfg, latency, progress)
     trainer.run()
     total_s = time.monotonic() - started
-    (rl_start, cpu_start), (rl_end, cpu_end) = marks["rl_start"], marks["rl_end"]
-    inside = [(wall, cpu) for start, wall, cpu in trainer.evaluations if start >= rl_start]
-    rl_wall = rl_end - rl_start - sum(wall for wall, _ in inside)
-    rl_cpu = cpu_end - cpu_start - sum(cpu for _, cpu in inside)
+    # RL phase = last step's end - start, less the evaluations inside it: (wall, own CPU, machine busy) s
+    phase = [end - start for end, start in zip(marks["rl_end"], marks["rl_start"])]
+    for started_at, spent in trainer.evaluations:
+        if started_at >= marks["rl_start"][0]:
+            phase = [value - inside for value, inside in zip(phase, spent)]
+    rl_wall, rl_cpu, machine_busy = phase
     assert trainer.tools is not None
     delays = trainer.tools.delays
-    return {"rows": read_metrics(run_dir), "rl_wall_s": rl_wall, "rl_cpu_s": rl_cpu, "total_s": total_s,
+    return {"rows": read_metrics(run_dir), "rl_wall_s": rl_wall, "rl_cpu_s": rl_cpu,
+            "other_cpu_s": machine_busy - rl_cpu, "total_s": total_s,
             "tool_calls": len(delays), "tool_sleep_s": sum(delays),
             "slow_calls": sum(1 for d in delays if d > math.sqrt(latency.fast_s * latency.slow_s))}
 
@@ -231,7 +290,8 @@ def summarise(engine: str, run: dict[str, Any], trajectories_per_step: int, cpus
     def total(key: str) -> float:
         return sum(row.get(key, 0.0) for row in steps)
 
-    lags = sorted({int(key.rsplit("_", 1)[1]) for row in steps for key in row if key.startswith("rollout/token_share_lag_")})
+    lags = sorted({int(key.rsplit("_", 1)[1]) for row in steps for key in row
+                   if key.startswith("rollout/token_share_lag_")})
     step_s, learn_s = total("time/step_s"), total("time/learn_s")
     return {
         "engine": engine, "steps": len(steps), "trajectories": len(steps) * trajectories_per_step,
@@ -241,6 +301,7 @@ def summarise(engine: str, run: dict[str, Any], trajectories_per_step: int, cpus
         "rollout_idle_s_sum": total("time/rollout_idle_s"),
         "rollout_generate_s_sum": total("time/rollout_generate_s"),
         "cpu_util": run["rl_cpu_s"] / max(run["rl_wall_s"] * cpus, 1e-9),
+        "other_cpu_util": run["other_cpu_s"] / max(run["rl_wall_s"] * cpus, 1e-9),
         "staleness_mean": sum(row["rollout/staleness_mean"] for row in steps) / len(steps),
         "staleness_max": max(row["rollout/staleness_max"] for row in steps),
         "token_share_by_lag": {lag: sum(row.get(f"rollout/token_share_lag_{lag}", 0.0) for row in steps) / len(steps)
@@ -248,7 +309,8 @@ def summarise(engine: str, run: dict[str, Any], trajectories_per_step: int, cpus
         "train_reward_mean": sum(row["train/reward"] for row in steps) / len(steps),
         "eval_before": {"success": before["eval/success"], "partial": before["eval/partial"],
                         "tasks": before["eval/tasks"]},
-        "eval_after": {"success": after["eval/success"], "partial": after["eval/partial"], "tasks": after["eval/tasks"]},
+        "eval_after": {"success": after["eval/success"], "partial": after["eval/partial"],
+                       "tasks": after["eval/tasks"]},
         "tool_calls": run["tool_calls"], "slow_calls": run["slow_calls"], "tool_sleep_s": run["tool_sleep_s"],
         "total_s": run["total_s"],
         "per_step": [{key: row.get(key) for key in ("step", "time/step_s", "time/learn_s", "time/learner_wait_s",
@@ -281,6 +343,10 @@ def compare(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "partial_within_noise": partial_ok}
 
 
+def _token_share(lag: int) -> Callable[[dict[str, Any]], str]:
+    return lambda run: f"{run['token_share_by_lag'].get(lag, 0.0):.3f}"
+
+
 def markdown(report: dict[str, Any]) -> str:
     runs, cmp = report["runs"], report["comparison"]
     setup = report["setup"]
@@ -295,10 +361,13 @@ def markdown(report: dict[str, Any]) -> str:
         f"{setup['max_new_tokens']} new tokens per action, seed {setup['seed']}, preset {setup['preset']}, "
         f"async max_staleness {setup['max_staleness']} "
         f"({'interruptible' if setup['interruptible'] else 'not interruptible'}), "
-        f"{setup['env_threads']} env threads, {report['cpus']} CPUs.",
+        f"{setup['env_threads']} env threads, {report['cpus']} CPUs, {setup['torch_threads']} torch threads, "
+        f"run order {' then '.join(setup['order'])}.",
         f"Tool latency per env.step: {setup['latency']['fast_s']:g} s with probability "
         f"{1 - setup['latency']['slow_prob']:g}, else {setup['latency']['slow_s']:g} s, log-normal spread "
         f"sigma {setup['latency']['sigma']:g} (mean {setup['latency']['mean_s']:.3f} s).",
+        f"Both runs start from one warm start ({setup['demos']} teacher demos x {setup['warm_epochs']} epochs); "
+        f"timed: {report['timed']}.",
         "",
         "| | sync | async |",
         "|---|---|---|",
@@ -309,9 +378,9 @@ def markdown(report: dict[str, Any]) -> str:
         row("rollout generate (s)", lambda r: f"{r['rollout_generate_s_sum']:.1f}"),
         row("rollout idle (s)", lambda r: f"{r['rollout_idle_s_sum']:.1f}"),
         row("CPU use in RL phase (share of all cores)", lambda r: f"{r['cpu_util']:.2f}"),
+        row("CPU used by OTHER processes meanwhile (share)", lambda r: f"{r['other_cpu_util']:.2f}"),
         row("staleness mean / max", lambda r: f"{r['staleness_mean']:.2f} / {r['staleness_max']:.0f}"),
-        *[row(f"action-token share at lag {lag}", lambda r, lag=lag: f"{r['token_share_by_lag'].get(lag, 0.0):.3f}")
-          for lag in lags],
+        *[row(f"action-token share at lag {lag}", _token_share(lag)) for lag in lags],
         row("tool calls (slow) / total sleep (s)",
             lambda r: f"{r['tool_calls']} ({r['slow_calls']}) / {r['tool_sleep_s']:.1f}"),
         row("train reward, mean over steps", lambda r: f"{r['train_reward_mean']:.3f}"),
@@ -328,6 +397,10 @@ def markdown(report: dict[str, Any]) -> str:
         f"on {runs['sync']['eval_after']['tasks']} held-out tasks.",
         f"Warm starts identical (same pre-RL evaluation): {'yes' if cmp['same_warm_start'] else 'NO'}.",
     ]
+    busy = [name for name in ENGINE_ORDER if runs[name]["other_cpu_util"] > 0.1]
+    if busy:
+        lines.append(f"WARNING: other processes used > 10% of the CPUs during the {' and '.join(busy)} run; "
+                     f"their timings are inflated by contention, not by the engine.")
     return "\n".join(lines) + "\n"
 
 
@@ -336,6 +409,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     runs = report["runs"]
     figure, ((wall, split), (reward, evals)) = plt.subplots(2, 2, figsize=(11, 7))
@@ -369,6 +443,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
         values = [r["eval_before"]["success"], r["eval_after"]["success"],
                   r["eval_before"]["partial"], r["eval_after"]["partial"]]
         evals.bar([i + offset for i in range(4)], values, width, label=name)
+    for axes in (wall, split, reward):
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     evals.set_xticks(range(4), labels)
     evals.set(ylim=(0, 1), title=f"held-out ({runs['sync']['eval_after']['tasks']} tasks)")
     evals.legend()
@@ -397,6 +473,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--slow-prob", type=float, default=0.15, help="share of slow tool calls (default 0.15)")
     parser.add_argument("--latency-sigma", type=float, default=0.25,
                         help="log-normal spread of each delay mode (default 0.25; 0 = fixed delays)")
+    parser.add_argument("--torch-threads", type=int, default=0,
+                        help="torch.set_num_threads for both runs (default 0: torch's default, one per core)")
+    parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                        help="before each run, wait up to this long for other processes to use < 10%% of the CPUs")
+    parser.add_argument("--reuse-warm-start", action="store_true",
+                        help="reuse OUT/warm_start/model when it was made with the same settings")
     parser.add_argument("--async-first", action="store_true", help="run async before sync (order effects)")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="extra dotted config override for both runs (repeatable)")
@@ -410,8 +492,23 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def wait_quiet(limit_s: float, cpus: int) -> float:
+    """Wait (up to `limit_s`) for a 3 s window in which other processes use < 10% of the CPUs; returns that share."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        start = _clock()
+        time.sleep(3.0)
+        wall, own, busy = _since(start)
+        other = (busy - own) / (wall * cpus)
+        if not other >= 0.1 or time.monotonic() >= deadline:  # NaN (no /proc/stat) counts as quiet
+            return other
+        print(f"other processes use {other:.0%} of the CPUs; waiting for a quiet machine", flush=True)
+
+
 def main() -> None:
     args = parse_args()
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
     latency = ToolLatency(args.fast_s, args.slow_s, args.slow_prob, args.latency_sigma)
     args.out.mkdir(parents=True, exist_ok=True)
     cpus = os.cpu_count() or 1
@@ -419,10 +516,15 @@ def main() -> None:
     print(f"sync vs async, {args.steps} RL steps x {trajectories_per_step} trajectories each, {cpus} CPUs, "
           f"output in {args.out}", flush=True)
     order = ENGINE_ORDER[::-1] if args.async_first else ENGINE_ORDER
-    runs = {engine: summarise(engine, run_engine(args, engine, latency), trajectories_per_step, cpus)
-            for engine in order}
+    model_dir = warm_start_once(args)
+    runs = {}
+    for engine in order:
+        if args.wait_quiet > 0:
+            wait_quiet(args.wait_quiet, cpus)
+        runs[engine] = summarise(engine, run_engine(args, engine, latency, model_dir), trajectories_per_step, cpus)
     setup = {name: getattr(args, name) for name in (*DEFAULTS, "seed", "preset", "max_staleness", "env_threads")}
-    setup.update({"order": list(order), "interruptible": not args.no_interruptible, "quick": args.quick, "overrides": args.override,
+    setup.update({"torch_threads": torch.get_num_threads(), "order": list(order),
+                  "interruptible": not args.no_interruptible, "quick": args.quick, "overrides": args.override,
                   "latency": {**asdict(latency), "mean_s": latency.mean_s}})
     report = {"setup": setup, "runs": runs, "comparison": compare(runs), "cpus": cpus,
               "machine": platform.platform(), "timed": "RL phase only: engine build to last step, less evaluations"}
