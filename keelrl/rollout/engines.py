@@ -37,7 +37,8 @@ from typing import Any, Callable, Sequence
 
 from keelrl.policy.sampling import SamplingConfig
 from keelrl.rollout.agent_loop import model_actor
-from keelrl.rollout.scheduler import ActFn, EpisodeScheduler, GroupRequest, GroupResult, RolloutConfig, SchedulerStats
+from keelrl.rollout.scheduler import (ActFn, EpisodeScheduler, GroupRequest, GroupResult, RolloutConfig,
+                                      SchedulerStats, WeightSlot)
 from keelrl.rollout.trajectory import Trajectory
 
 ENGINES = ("sync", "async", "ray")
@@ -139,33 +140,19 @@ class LocalEngine(RolloutEngine):
         if asynchronous:
             self.model.eval().requires_grad_(False)
         self._lock = threading.Condition()
-        self._pending: tuple[dict[str, Any], int] | None = None
-        self._held = 0
+        self.weights = WeightSlot(self.model)
         act = act_for(self.model) if act_for is not None else model_actor(self.model, tokenizer, sampling)
-        self.scheduler = EpisodeScheduler(make_env, tokenizer, act, rollout, refresh=self._refresh,
-                                          has_newer=self._has_newer)
+        self.scheduler = EpisodeScheduler(make_env, tokenizer, act, rollout, refresh=self.weights.refresh,
+                                          has_newer=self.weights.has_newer)
         self._results: dict[int, GroupResult] = {}
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     # ---------------------------------------------------------------- weights
-    def _has_newer(self) -> bool:
-        with self._lock:
-            return self._pending is not None
-
-    def _refresh(self) -> int:
-        with self._lock:
-            pending, self._pending = self._pending, None
-        if pending is not None:
-            state, version = pending
-            self.model.load_state_dict(state)
-            self._held = version
-        return self._held
-
     def start(self, version: int) -> None:
         super().start(version)
-        self._held = version
+        self.weights.held = version
         self.scheduler.version = version
         if self.asynchronous and self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="keel-rollout", daemon=True)
@@ -174,10 +161,9 @@ class LocalEngine(RolloutEngine):
     def publish(self, state: dict[str, Any], version: int) -> None:
         super().publish(state, version)
         if self.asynchronous:
-            with self._lock:
-                self._pending = (state, version)
+            self.weights.offer(state, version)
         else:
-            self._held = version
+            self.weights.held = version
 
     # ---------------------------------------------------------------- rollouts
     def _loop(self) -> None:
@@ -207,7 +193,7 @@ class LocalEngine(RolloutEngine):
         requests = self._requests(step)
         tick = time.monotonic()
         if not self.asynchronous:
-            self._held = self.version
+            self.weights.held = self.version
             self.model.eval()
             results = self.scheduler.run(requests)
         else:

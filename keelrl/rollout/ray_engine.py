@@ -27,7 +27,8 @@ from typing import Any, Callable
 
 from keelrl.policy.sampling import SamplingConfig
 from keelrl.rollout.engines import RequestsFor, RolloutEngine, StepRollouts, staleness_metrics
-from keelrl.rollout.scheduler import EpisodeScheduler, GroupRequest, GroupResult, RolloutConfig, SchedulerStats
+from keelrl.rollout.scheduler import (EpisodeScheduler, GroupRequest, GroupResult, RolloutConfig, SchedulerStats,
+                                      WeightSlot)
 
 
 @dataclass(frozen=True)
@@ -55,29 +56,15 @@ class RolloutWorker:
         self.model, self.tokenizer = load_policy(spec.model_path, spec.device)
         self.model.eval().requires_grad_(False)
         self._lock = threading.Lock()
-        self._pending: tuple[dict[str, Any], int] | None = None
-        self._held = -1  # no weights from the learner yet: nothing may start
+        self.weights = WeightSlot(self.model, version=-1)  # no weights from the learner yet: nothing may start
         self.scheduler = EpisodeScheduler(spec.make_env, self.tokenizer,
                                           model_actor(self.model, self.tokenizer, spec.sampling), spec.rollout,
-                                          refresh=self._refresh, has_newer=self._has_newer)
+                                          refresh=self.weights.refresh, has_newer=self.weights.has_newer)
         self._finished: list[GroupResult] = []
         self._error: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="keel-ray-rollout", daemon=True)
         self._thread.start()
-
-    def _has_newer(self) -> bool:
-        with self._lock:
-            return self._pending is not None
-
-    def _refresh(self) -> int:
-        with self._lock:
-            pending, self._pending = self._pending, None
-        if pending is not None:
-            state, version = pending
-            self.model.load_state_dict(state)
-            self._held = version
-        return self._held
 
     def _loop(self) -> None:
         try:
@@ -92,9 +79,7 @@ class RolloutWorker:
             self._error = "".join(traceback.format_exception(error))
 
     def set_weights(self, state: dict[str, Any], version: int) -> int:
-        with self._lock:
-            if self._pending is None or version > self._pending[1]:
-                self._pending = (state, version)
+        self.weights.offer(state, version)
         return version
 
     def submit(self, requests: list[GroupRequest]) -> int:
@@ -110,7 +95,7 @@ class RolloutWorker:
         return finished, self.scheduler.take_stats()
 
     def version(self) -> int:
-        return self._held
+        return self.weights.held
 
     def shutdown(self) -> None:
         self._stop.set()

@@ -137,6 +137,39 @@ class SchedulerStats:
     admitted: int = 0
 
 
+class WeightSlot:
+    """New weights for a rollout model, handed across threads.
+
+    The learner's side `offer`s a state dict and its version; the rollout thread calls
+    `refresh` between generation batches, which loads the newest offered state into `model`
+    and returns the version now held. Only the newest offer is kept.
+    """
+
+    def __init__(self, model: Any, version: int = 0) -> None:
+        self.model = model
+        self.held = version
+        self._lock = threading.Lock()
+        self._pending: tuple[dict[str, Any], int] | None = None
+
+    def offer(self, state: dict[str, Any], version: int) -> None:
+        with self._lock:
+            if self._pending is None or version > self._pending[1]:
+                self._pending = (state, version)
+
+    def has_newer(self) -> bool:
+        with self._lock:
+            return self._pending is not None
+
+    def refresh(self) -> int:
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            state, version = pending
+            self.model.load_state_dict(state)
+            self.held = version
+        return self.held
+
+
 class EpisodeScheduler:
     """Runs `GroupRequest`s to completion with continuous batching (see the module docstring)."""
 
