@@ -100,7 +100,7 @@ from rich.table import Table
 
 from keelrl.envs.base import Grade
 from keelrl.envs.coding import CodingEnv
-from keelrl.envs.tasks import Check, Task
+from keelrl.envs.tasks import Check, Task, shift_ints
 from keelrl.envs.teacher import edit_action
 from keelrl.sandbox import SECRET_NAME
 # `_run_grader` and `_candidate_files` are the verifier's own sandbox run, reused so that the
@@ -853,19 +853,6 @@ _STRING_PREFIX = "re"
 _UNRELATED_KEY = "keel_unrelated_setting"
 
 
-def _shift_ints(value: Any, by: int) -> Any:
-    """Every int in `value` (nested in lists and dict values) plus `by`; bools stay as they are."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        return value + by
-    if isinstance(value, list):
-        return [_shift_ints(item, by) for item in value]
-    if isinstance(value, dict):
-        return {key: _shift_ints(item, by) for key, item in value.items()}
-    return value
-
-
 def _prefix_strings(value: Any) -> Any:
     """Every string in `value` (nested in lists and dict values, keys untouched) with a prefix."""
     if isinstance(value, str):
@@ -890,7 +877,7 @@ def probe_inputs(task: Task) -> list[list[Any]]:
     `PROBE_INPUT_LIMIT`, the checks' own arguments first."""
     originals = [_json_value(check.args) for check in [*task.hidden_checks, *task.visible_tests]]
     perturbed = [changed for args in originals
-                 for changed in [_with_unrelated_key(args), *[_shift_ints(args, by) for by in _INT_SHIFTS],
+                 for changed in [_with_unrelated_key(args), *[shift_ints(args, by) for by in _INT_SHIFTS],
                                  _prefix_strings(args)]]
     inputs: dict[str, list[Any]] = {}
     for args in originals + perturbed:

@@ -27,7 +27,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from keelrl.envs.tasks import Check, Task, render_test_file, split_of
+from keelrl.envs.tasks import Check, Task, render_test_file, shift_ints, split_of
 
 KINDS = (
     "falsy_or_default",     # `config.get(k) or d` also replaces valid falsy values (the lecture's bug)
@@ -197,25 +197,13 @@ def _passes(function: Callable[..., Any], check: Check) -> bool:
     return check.raises is None and _same(got, check.expected)
 
 
-def _shift_ints(value: Any, by: int) -> Any:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        return value + by
-    if isinstance(value, list):
-        return [_shift_ints(v, by) for v in value]
-    if isinstance(value, dict):
-        return {k: _shift_ints(v, by) for k, v in value.items()}
-    return value
-
-
 def _variant_args(args: list[Any]) -> list[list[Any]]:
     """Inputs near the key check's: an unrelated extra setting, shifted numbers, a longer string."""
     out = []
     if args and isinstance(args[0], dict):
         extra = "verbose" if "verbose" not in args[0] else "label"
         out.append([{**args[0], extra: True}, *args[1:]])
-    out += [_shift_ints(args, by) for by in (3, 7, 12)]
+    out += [shift_ints(args, by) for by in (3, 7, 12)]
     strings = [i for i, a in enumerate(args) if isinstance(a, str) and a]
     if strings:
         first, every = list(args), list(args)

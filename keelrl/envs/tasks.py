@@ -212,6 +212,22 @@ def save_tasks(tasks: Iterable[Task], path: str | Path) -> int:
     return len(lines)
 
 
+def shift_ints(value: Any, by: int) -> Any:
+    """Every int in a JSON value (nested in lists and dict values) plus `by`; bools stay as they are.
+
+    Used to derive inputs near a check's own: hidden variants of key checks, audit probe inputs.
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return value + by
+    if isinstance(value, list):
+        return [shift_ints(item, by) for item in value]
+    if isinstance(value, dict):
+        return {key: shift_ints(item, by) for key, item in value.items()}
+    return value
+
+
 def split_of(task_id: str, seed: int = 0, heldout_fraction: float = 0.25) -> str:
     """'train' or 'heldout', a pure function of (task id, seed): stable across runs and machines."""
     digest = hashlib.sha256(f"{seed}:{task_id}".encode()).digest()
