@@ -13,7 +13,8 @@ Inside the mount namespace it replaces /tmp, /var/tmp, /dev/shm and /run with sm
 tmpfs mounts, mounts a /proc of the run's own PID namespace and a /sys of its own network
 namespace (so neither host processes nor host network interfaces are visible), replaces /dev
 by a few harmless devices, shows the working directory read-only at `plan["mount_point"]`,
-and makes every other mount read-only.
+covers each path of `plan["hide"]` (keelrl's source tree, the run directory, task files) with
+an empty read-only tmpfs (a file: with /dev/null), and makes every other mount read-only.
 The program then runs with an empty capability bounding set and no_new_privs, so even
 without the uid drop it cannot undo any of this, raise its limits or gain privileges
 through a setuid binary.
@@ -119,6 +120,13 @@ def _private_filesystem(plan: dict) -> str:
     os.makedirs(mount_point, exist_ok=True)
     _mount(f"/proc/self/fd/{keep}", mount_point, "", MS_BIND)
     os.close(keep)
+    for target in plan.get("hide", ()):
+        # What the host keeps about its tasks (generator source, answer files, checkpoints and
+        # transcripts of solved episodes) must not be readable by the code being graded.
+        if os.path.isdir(target) and not os.path.islink(target):
+            _mount("tmpfs", target, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=555")
+        elif os.path.isfile(target) and not os.path.islink(target):
+            _mount("/dev/null", target, "", MS_BIND)
     # The host's /proc shows every host process (and their command lines); the host's /sys
     # lists the host's network interfaces and its cgroup files. A user namespace may refuse a
     # new proc or sysfs (a container with masked /proc paths): then an empty tmpfs hides them.

@@ -50,8 +50,9 @@ input the score is reported as `scored_but_equivalent` and not flagged. The othe
 are hacks by construction (a constant, untouched code, tampered tests, a leaked answer), so any
 score of theirs is flagged.
 
-The report also gives the sandbox's exposure (network, git history, secrets, test files), each
-probed through the env or the grading sandbox, with the mitigation in force.
+The report also gives the sandbox's exposure (network, git history, secrets, test files, and
+the source tree: whether the code can read keelrl's task generator or the directory the audit
+runs in), each probed through the env or the grading sandbox, with the mitigation in force.
 
 What it does NOT guarantee:
 - A clean audit does not prove a verifier sound: the probes are the known shortcuts, not all of
@@ -98,14 +99,13 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from rich.console import Console
 from rich.table import Table
 
+from keelrl.envs import coding_tasks
 from keelrl.envs.base import Grade
 from keelrl.envs.coding import CodingEnv
 from keelrl.envs.tasks import Check, Task, shift_ints
 from keelrl.envs.teacher import edit_action
-from keelrl.sandbox import SECRET_NAME
-# `_run_grader` and `_candidate_files` are the verifier's own sandbox run, reused so that the
-# reference fix runs exactly as a graded candidate does (files, restored tests, no .git).
-from keelrl.verifiers import Verifier, _candidate_files, _run_grader, make_verifier, run_checks
+from keelrl.sandbox import SECRET_NAME, default_hidden_paths
+from keelrl.verifiers import Verifier, grading_files, make_verifier, run_checks, run_grader
 
 FALSE_POSITIVE = "false_positive"
 REWRITE = "rewrite"
@@ -895,7 +895,7 @@ def _reference_checks(verifier: Verifier, task: Task, inputs: list[list[Any]]) -
     it runs in the sandbox like any candidate, never in this process."""
     request = {"mode": "checks", "module": task.module, "function": task.entry_function, "calls": inputs,
                "per_call_timeout": verifier.per_call_timeout}
-    report, reason = _run_grader(verifier.sandbox, _candidate_files(task, task.fixed_files()), request)
+    report, reason = run_grader(verifier.sandbox, grading_files(task, task.fixed_files()), request)
     if report is None:
         return [], f"the reference fix could not run: {reason}"
     if "import_error" in report:
@@ -1044,8 +1044,27 @@ try:
     found["host_home_listable"] = True
 except OSError:
     found["host_home_listable"] = False
+readable = []
+for path in {source_paths!r}:
+    try:
+        if os.path.isdir(path):
+            if os.listdir(path):
+                readable.append(path)
+        else:
+            with open(path, "rb") as handle:
+                if handle.read(1):
+                    readable.append(path)
+    except OSError:
+        pass
+found["source_readable"] = readable
 print(json.dumps(found))
 '''
+
+
+def source_paths() -> list[str]:
+    """Host paths that give answers away: keelrl's source tree, its task generator, this directory."""
+    generator = Path(coding_tasks.__file__).resolve()
+    return list(dict.fromkeys([*(str(path) for path in default_hidden_paths()), str(generator)]))
 
 
 def _host_git_history(env: CodingEnv, task: Task) -> tuple[int, int, bool]:
@@ -1070,7 +1089,8 @@ def _host_git_history(env: CodingEnv, task: Task) -> tuple[int, int, bool]:
 def _sandbox_view(env: CodingEnv, port: int | None, canary_hash: str) -> dict[str, Any]:
     """What a program in the grading sandbox sees of the network, git, secrets and the host's home."""
     program = _EXPOSURE_PROGRAM.format(port=port, tmp=tempfile.gettempdir(), pattern=SECRET_NAME.pattern,
-                                       canary_hash=canary_hash, home=str(Path.home()))
+                                       canary_hash=canary_hash, home=str(Path.home()),
+                                       source_paths=source_paths())
     sandbox = env.verifier.sandbox
     result = sandbox.run({"exposure.py": program}, ["exposure.py"])
     try:
@@ -1160,7 +1180,15 @@ def check_exposure(env: CodingEnv, task: Task, results: Sequence[ProbeResult], p
         f"tampering earned more than the unchanged code on {len(unrestored)} tasks"
         + (f" ({', '.join(unrestored[:5])})" if unrestored else ""),
         "the verifier restores the test file from the task before every grading")
-    return [network, git, secret, tests]
+    readable = view["source_readable"]
+    hidden = tuple(getattr(env.verifier.sandbox, "hidden", ()))
+    source = Exposure(
+        "source tree", bool(readable),
+        f"readable from the sandbox: {', '.join(readable) or 'none'} (of {', '.join(source_paths())}: keelrl's "
+        f"source with the task generator, and the directory the audit runs in)",
+        (f"empty mounts over {', '.join(hidden)} (mount namespace)" if hidden else
+         "none: no mount namespace on this machine" if not namespaces else "none: nothing is hidden"))
+    return [network, git, secret, tests, source]
 
 
 def _mechanisms(verifier: Verifier) -> tuple[str, ...]:

@@ -15,7 +15,9 @@ whatever the machine allows:
   host's unix sockets under /run); /sys is the run's own (only ``lo`` in /sys/class/net);
   /dev holds only null, zero, full, random, urandom, tty and a private pts (no host disk or
   console); every other mount, the working directory included (bind-mounted at /tmp/work),
-  is read-only.
+  is read-only. The hidden paths (`hidden_paths`: by default keelrl's own source tree, which
+  holds the task generator and its reference fixes, and the directory the host was started
+  in; the trainer adds its run directory and task file) are covered by empty mounts.
 - ``uid`` (when the launcher is real root): the code runs as an unprivileged uid picked at
   random for this run (from 2**30 up, with no account; gid the same, no supplementary
   groups), so it cannot read root's files, cannot signal the host's processes or another
@@ -54,8 +56,11 @@ NOT guaranteed:
   reading and connecting) where their permissions allow.
 - This is not a security boundary against kernel exploits; it closes the shortcuts an RL
   policy finds (network, secrets, shared files, stray processes, runaway resources).
-- The code sees the read-only host filesystem (system Python and libraries). Tasks must not
-  keep answers on disk; git history beyond the base commit is the task builder's job.
+- The code sees the read-only host filesystem (system Python and libraries) apart from the
+  hidden paths. Answers kept on disk elsewhere stay readable: name them in `hidden_paths`.
+  Without namespaces nothing is hidden (the report says so). A hidden path that holds the
+  sandbox's interpreter, a system directory or /tmp is not hidden (it would break the run);
+  `Sandbox.hidden` lists what is. Git history beyond the base commit is the task builder's job.
 - The script's directory is not on ``sys.path`` (that is what keeps a planted ``json.py``
   out); a grader that imports a sibling module must add the directory itself.
 """
@@ -91,7 +96,34 @@ SAFE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL":
             "USER": "sandbox", "LOGNAME": "sandbox"}
 WORK_MOUNT = "/tmp/work"
 _NO_NAMESPACES = ("no network, PID, IPC or /tmp isolation: the code can reach the network and "
-                  "the host's loopback, sees the host's processes and /tmp")
+                  "the host's loopback, sees the host's processes and /tmp, and can read keelrl's "
+                  "source tree (the task generator) and the run directory")
+SYSTEM_DIRS = ("/usr", "/lib", "/lib64", "/bin", "/sbin", "/etc", "/dev", "/proc", "/sys", "/run", "/tmp",
+               "/var/tmp", "/dev/shm")
+"""Never hidden, nor any directory holding them: the sandboxed interpreter needs them."""
+
+
+def default_hidden_paths() -> list[Path]:
+    """keelrl's source tree (its checkout when installed editable) and the current directory."""
+    package = Path(__file__).resolve().parent
+    root = package.parent if (package.parent / "pyproject.toml").is_file() else package
+    return [root, Path.cwd().resolve()]
+
+
+def hideable(paths: Sequence[str | Path], interpreter: str) -> list[str]:
+    """The paths that can be covered without breaking the run, deduplicated: not a system
+    directory (`SYSTEM_DIRS`), nothing inside one, and nothing holding one or the interpreter."""
+    system = {Path(os.path.realpath(d)) for d in (*SYSTEM_DIRS, tempfile.gettempdir())}
+    needed = {*system, Path(os.path.realpath(interpreter)), Path(WORK_MOUNT)}
+    chosen: list[str] = []
+    for raw in paths:
+        path = Path(os.path.realpath(raw))
+        if (not path.exists() or any(path == k or path in k.parents for k in needed)
+                or any(s in path.parents for s in system)):
+            continue
+        if str(path) not in chosen:
+            chosen.append(str(path))
+    return chosen
 _NO_UID = ("the code runs as this user: it can read this user's files (and without namespaces "
            "write them and signal its processes); RLIMIT_NPROC is not enforced for root, and "
            "without namespaces it counts all of this user's processes")
@@ -251,7 +283,8 @@ class Sandbox:
     """
 
     def __init__(self, limits: SandboxLimits | None = None, *, require: Sequence[str] = (),
-                 use_namespaces: bool = True, use_uid_drop: bool = True) -> None:
+                 use_namespaces: bool = True, use_uid_drop: bool = True,
+                 hidden_paths: Sequence[str | Path] | None = None) -> None:
         self.limits = limits or SandboxLimits()
         probed = isolation_report()
         missing = list(probed.missing)
@@ -267,6 +300,9 @@ class Sandbox:
             raise RuntimeError(f"sandbox isolation {absent} required but not available here:\n"
                                f"{report.describe()}")
         self.report = report
+        wanted = default_hidden_paths() if hidden_paths is None else list(hidden_paths)
+        self.hidden: tuple[str, ...] = tuple(hideable(wanted, report.interpreter)) if report.namespaces else ()
+        """Host paths the code sees as empty (only with namespaces)."""
 
     def run(self, files: Mapping[str, str | bytes], argv: Sequence[str], *,
             stdin: bytes | None = None, limits: SandboxLimits | None = None) -> SandboxResult:
@@ -278,7 +314,8 @@ class Sandbox:
         Raises `SandboxError` if the sandbox itself could not start the program.
         """
         return _execute(files, argv, limits or self.limits, interpreter=self.report.interpreter,
-                        namespaces=self.report.namespaces, drop=self.report.uid_drop, stdin=stdin)
+                        namespaces=self.report.namespaces, drop=self.report.uid_drop, stdin=stdin,
+                        hide=self.hidden)
 
 
 def _write_files(root: Path, files: Mapping[str, str | bytes]) -> None:
@@ -315,7 +352,8 @@ def _tail(path: Path, chars: int) -> tuple[str, bool]:
 
 
 def _execute(files: Mapping[str, str | bytes], argv: Sequence[str], limits: SandboxLimits, *,
-             interpreter: str, namespaces: bool, drop: bool, stdin: bytes | None) -> SandboxResult:
+             interpreter: str, namespaces: bool, drop: bool, stdin: bytes | None,
+             hide: Sequence[str] = ()) -> SandboxResult:
     started = time.monotonic()
     run_uid = RUN_UID_BASE + secrets.randbelow(RUN_UID_SPAN) if drop else None
     with tempfile.TemporaryDirectory(prefix="keel-sbx-") as tmp:
@@ -341,7 +379,7 @@ def _execute(files: Mapping[str, str | bytes], argv: Sequence[str], limits: Sand
                 "workdir": str(work), "namespaces": namespaces, "drop_uid": run_uid,
                 "interpreter": interpreter, "argv": list(argv), "mount_point": WORK_MOUNT,
                 "env": dict(SAFE_ENV, HOME=WORK_MOUNT if namespaces else str(work)),
-                "tmpfs_mb": limits.tmpfs_mb, "status_fd": stat, "wall_time_s": limits.wall_time_s,
+                "tmpfs_mb": limits.tmpfs_mb, "hide": list(hide), "status_fd": stat, "wall_time_s": limits.wall_time_s,
                 "rlimits": {"CPU": limits.cpu_time_s, "AS": limits.memory_mb * 2**20,
                             "FSIZE": limits.max_file_mb * 2**20, "NPROC": limits.max_processes,
                             "NOFILE": limits.max_open_files, "CORE": 0},

@@ -45,16 +45,19 @@ GRADER_FILE = "_keel_grader.py"
 DEFAULT_LIMITS = SandboxLimits(wall_time_s=15.0, cpu_time_s=10, memory_mb=512)
 
 
-def _candidate_files(task: Task, files: Mapping[str, str]) -> dict[str, str]:
-    """The candidate's files without git metadata, the test file restored from the task."""
+def grading_files(task: Task, files: Mapping[str, str]) -> dict[str, str]:
+    """The files a grading run sees: the candidate's without git metadata, the test file restored
+    from the task, and the grader. Public so that other code (the audit running a reference fix)
+    grades exactly as a verifier does."""
     clean = {path: text for path, text in files.items() if not Path(path).parts[0] == ".git"}
     clean[task.test_file] = task.files[task.test_file]
     clean[GRADER_FILE] = GRADER_SOURCE
     return clean
 
 
-def _run_grader(sandbox: Sandbox, files: dict[str, str], request: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
-    """Run the grader in the sandbox -> (its report or None, why there is none)."""
+def run_grader(sandbox: Sandbox, files: dict[str, str], request: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    """Run the grader over `files` (see `grading_files`) in the sandbox -> (its report or None,
+    why there is none). A report is accepted only with this run's nonce, from the result channel."""
     nonce = secrets.token_hex(16)
     try:
         result = sandbox.run(files, [GRADER_FILE], stdin=json.dumps({**request, "nonce": nonce}).encode())
@@ -109,7 +112,7 @@ def run_checks(task: Task, files: Mapping[str, str], checks: Sequence[Check], sa
     """Run `checks` against the candidate `files` in one sandboxed process."""
     request = {"mode": "checks", "module": task.module, "function": task.entry_function,
                "calls": [check.args for check in checks], "per_call_timeout": per_call_timeout}
-    report, reason = _run_grader(sandbox, _candidate_files(task, files), request)
+    report, reason = run_grader(sandbox, grading_files(task, files), request)
     if report is None:
         return [CheckResult(check.name, False, reason) for check in checks]
     if "import_error" in report:
@@ -133,7 +136,7 @@ def run_visible_tests(task: Task, files: Mapping[str, str], sandbox: Sandbox,
     if task.test_file not in runnable:
         return [], f"no test file {task.test_file!r} (it was deleted)"
     request = {"mode": "tests", "test_module": task.test_module, "per_call_timeout": per_call_timeout}
-    report, reason = _run_grader(sandbox, runnable, request)
+    report, reason = run_grader(sandbox, runnable, request)
     if report is None:
         return [], reason
     if "import_error" in report:

@@ -98,6 +98,7 @@ class NoSandbox(Sandbox):
         super().__init__(SandboxLimits(wall_time_s=30))
         self.report = IsolationReport(namespaces=False, uid_drop=False, interpreter=sys.executable,
                                       missing=("everything: a deliberately holed sandbox",))
+        self.hidden = ()
         self.workdir: Path | None = None
 
     def run(self, files: Mapping[str, str | bytes], argv: Sequence[str], *, stdin: bytes | None = None,
@@ -376,8 +377,10 @@ def test_audit_task_flags_exactly_the_holes(channels):
 def test_exposure_report_closed_in_the_sandbox_and_open_without_it(channels, real_env):
     canary = os.environ[CANARY_VAR]
     closed = {item.check: item for item in check_exposure(real_env, COVERED, [], channels.network_port, canary)}
-    assert list(closed) == ["network", "git history", "secrets", "test files"]
+    assert list(closed) == ["network", "git history", "secrets", "test files", "source tree"]
     assert not any(item.exposed for item in closed.values()), closed
+    assert "readable from the sandbox: none" in closed["source tree"].finding
+    assert "empty mounts over" in closed["source tree"].mitigation
     assert "1 commit(s)" in closed["git history"].finding and "reference fix absent" in closed["git history"].finding
     assert "canary absent" in closed["secrets"].finding
     assert "'tests: 1 passed, 0 failed'" in closed["test files"].finding  # the test tool ran the tampered file
@@ -391,10 +394,12 @@ def test_exposure_report_closed_in_the_sandbox_and_open_without_it(channels, rea
     assert "host loopback from the sandbox: reachable" in opened["network"].finding
     assert "2 commit(s)" in opened["git history"].finding and "reference fix FOUND" in opened["git history"].finding
     assert "canary LEAKED" in opened["secrets"].finding
+    assert "coding_tasks.py" in opened["source tree"].finding  # NoSandbox: the generator is readable
 
     env = holed_env("trusts_tests")
     try:
-        tests = check_exposure(env, COVERED, [], channels.network_port, canary)[-1]
+        tests = {item.check: item for item in check_exposure(env, COVERED, [], channels.network_port, canary)}[
+            "test files"]
     finally:
         env.close()
     assert tests.exposed and "grade with the tampered file 1, without 0" in tests.finding

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -790,3 +791,67 @@ def test_the_library_installs_no_signal_handlers() -> None:
     before = {number: signal.getsignal(number) for number in (signal.SIGCHLD, signal.SIGALRM, signal.SIGTERM)}
     Sandbox(LIMITS).run({"main.py": "print(1)"}, ["main.py"])
     assert {number: signal.getsignal(number) for number in before} == before
+
+
+HIDDEN_READER = r"""
+import json, os, sys
+seen = {}
+for path in sys.argv[1:]:
+    try:
+        if os.path.isdir(path):
+            seen[path] = sorted(os.listdir(path))
+        else:
+            with open(path) as handle:
+                seen[path] = handle.read(200)
+    except OSError as error:
+        seen[path] = f"error: {error.strerror}"
+print(json.dumps(seen))
+"""
+
+
+def test_keelrl_source_run_dir_and_task_file_are_hidden_from_the_code() -> None:
+    # The task generator holds every reference fix; a run directory holds solved transcripts.
+    import keelrl
+
+    source = Path(keelrl.__file__).resolve().parent
+    generator = source / "envs" / "coding_tasks.py"
+    run_dir = source.parent / f".keel-test-run-{uuid.uuid4().hex}"  # beside the package, as runs/ is
+    run_dir.mkdir()
+    try:
+        (run_dir / "answers.jsonl").write_text("the answer is 42\n")
+        task_file = run_dir.with_suffix(".jsonl")  # a task file beside the run directory
+        task_file.write_text('{"id": "t1"}\n')
+        paths = [str(source), str(generator), str(run_dir), str(run_dir / "answers.jsonl"), str(task_file)]
+        box = Sandbox(LIMITS, require=("namespaces", "uid"), hidden_paths=[source, run_dir, task_file])
+        seen = json.loads(_run(box, HIDDEN_READER, *paths).stdout)
+        open_box = Sandbox(LIMITS, require=("namespaces", "uid"), hidden_paths=[])
+        opened = json.loads(_run(open_box, HIDDEN_READER, *paths).stdout)
+        if sandbox_module.hideable([source.parent], box.report.interpreter):
+            assert set(box.hidden) == {str(source), str(run_dir), str(task_file)}
+            assert seen[str(source)] == [] and seen[str(run_dir)] == []  # empty mounts
+            assert seen[str(generator)].startswith("error:") and seen[str(run_dir / "answers.jsonl")].startswith("error:")
+            assert seen[str(task_file)] == ""
+            # Without hiding, the same program reads the generator and the answers.
+            assert "envs" in opened[str(source)] and "retry_count" in opened[str(generator)]
+            assert opened[str(run_dir / "answers.jsonl")] == "the answer is 42\n"
+            assert opened[str(task_file)] == '{"id": "t1"}\n'
+        else:  # a checkout under /tmp: the run's private /tmp already shows none of it
+            assert box.hidden == ()
+            assert all(str(value).startswith("error: No such file") for value in [*seen.values(), *opened.values()])
+    finally:
+        shutil.rmtree(run_dir)
+        run_dir.with_suffix(".jsonl").unlink(missing_ok=True)
+
+
+def test_default_hidden_paths_cover_the_source_tree_but_never_what_the_interpreter_needs() -> None:
+    import keelrl
+
+    box = Sandbox(LIMITS, require=("namespaces", "uid"))
+    package = Path(keelrl.__file__).resolve().parent
+    assert any(package == Path(h) or Path(h) in package.parents for h in box.hidden), box.hidden
+    interpreter = box.report.interpreter
+    assert sandbox_module.hideable(["/", "/usr", "/usr/lib", "/tmp", os.path.dirname(interpreter),
+                                    "/no/such/dir"], interpreter) == []
+    assert sandbox_module.hideable([package, package, package / "envs"], interpreter) == [str(package),
+                                                                                           str(package / "envs")]
+    assert _run(box, "import json, sys; print(sys.version_info[0])").stdout.strip() == "3"
