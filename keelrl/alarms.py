@@ -15,7 +15,8 @@ run, with the step and the numbers that tripped it:
   dynamic sampling's filter when it runs) for `window` consecutive steps.
 - `importance_weight`: an importance weight above `is_weight_max` (learner vs behaviour during
   the update, on arrival, or the decoupled objective's behaviour weight).
-- `patch_collapse`: the mean number of distinct final patches per group at or below
+- `patch_collapse`: the mean number of distinct final patches (the guessing game: guess
+  sequences) per group at or below
   `distinct_patches_min` for `window` consecutive steps: the group explores nothing.
 """
 
@@ -150,13 +151,18 @@ class AlarmMonitor:
                 f"exploration has collapsed")
 
 
-def distinct_patches(groups: list[list[Any]]) -> float:
-    """Mean number of distinct edit sequences per group (a trajectory's patch: its edit actions)."""
+PATCH_TOOLS = ("replace", "edit")
+"""The coding tools whose calls make up a trajectory's final patch."""
+
+
+def distinct_patches(groups: list[list[Any]], tools: tuple[str, ...] = PATCH_TOOLS) -> float:
+    """Mean number of distinct answers per group: a trajectory's answer is its sequence of calls
+    to `tools` (coding: its edits, i.e. its patch; the guessing game: its guesses)."""
     if not groups:
         return 0.0
+    prefixes = tuple(f"<call>{tool}" for tool in tools)
     counts = []
     for group in groups:
-        patches = {"\n".join(a for a in t.actions if a.lstrip().startswith(("<call>replace", "<call>edit")))
-                   for t in group}
+        patches = {"\n".join(a.strip() for a in t.actions if a.lstrip().startswith(prefixes)) for t in group}
         counts.append(len(patches))
     return sum(counts) / len(counts)

@@ -188,7 +188,7 @@ def _cmd_lab(args: argparse.Namespace) -> int:
     from keelrl.labs import LABS, run_lab
 
     if args.name is None or args.name == "list":
-        for name, (description, _) in LABS.items():
+        for name, (description, _, _) in LABS.items():
             print(f"{name:18} {description}")
         return 0
     if args.name not in LABS:
@@ -309,7 +309,14 @@ def _looks_like_override(argument: str) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # Overrides may follow options too (`keel lab NAME --out DIR key=value`): argparse leaves a
+    # positional list that comes after an option unparsed, so collect those here.
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if not (hasattr(args, "overrides") and _looks_like_override(a))]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     if getattr(args, "config", None) and _looks_like_override(args.config):
         args.overrides = [args.config, *args.overrides]
         args.config = None

@@ -71,7 +71,8 @@ class EnvConfig:
     split_seed: int = 0
     """Seed of the deterministic train/held-out split."""
     verifier: str = "strong"
-    """Verifier of the training reward: strong, weak or brittle."""
+    """Verifier of the training reward: strong, weak or brittle (the guessing game: strong or weak).
+    Held-out evaluation always uses strong."""
     partial_credit: bool = True
     """Training reward = (weighted) fraction of checks passed instead of all-or-nothing (the
     tiny default rarely passes every check at first; partial credit gives its groups a signal).
@@ -93,6 +94,12 @@ class EnvConfig:
                   guess_tasks=self.guess_tasks)
         if self.name not in ("coding", "guess"):
             raise ConfigError("name", f"unknown environment {self.name!r}; valid names: coding, guess")
+        if self.name == "guess":
+            from keelrl.envs.guess import GUESS_VERIFIERS
+
+            if self.verifier not in GUESS_VERIFIERS:
+                raise ConfigError("verifier", f"the guessing game has no verifier {self.verifier!r}; "
+                                              f"valid names: {', '.join(GUESS_VERIFIERS)}")
 
 
 @dataclasses.dataclass

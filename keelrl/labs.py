@@ -15,9 +15,11 @@ the one setting the lab is about.
   staleness and by trajectory length, and what share of tokens each clip rule then stops.
 - dynamic-sampling: DAPO with and without dynamic sampling on the guessing game (where many
   groups all fail or all succeed): zero-advantage fraction, extra draws, success.
-- entropy: no entropy bonus vs a bonus: entropy over training and distinct patches per group.
-- reward-hacking: the same budget trained on the `weak` verifier and on `strong`, both
-  evaluated by `strong` on held-out tasks; the divergence alarm's verdict on each.
+- entropy: on the guessing game, GRPO with no KL anchor, without and with an entropy bonus:
+  entropy over training, distinct guess sequences per group, success.
+- reward-hacking: on the guessing game, the same budget trained on the `weak` verifier (passes
+  unless the last answer said "wrong") and on `strong`, both evaluated by `strong` on held-out
+  tasks; the divergence alarm's verdict on each.
 - credit: on the guessing game, critic + turn-level GAE vs GRPO group credit: learning speed,
   and the per-turn advantages of a failed episode that had a good turn.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -41,8 +44,19 @@ GUESS = ["env.name=guess", "env.max_turns=5", "rollout.max_new_tokens=24", "roll
 on a teacher that errs."""
 
 
+HACK = [*GUESS, "warm_start.mistake_rate=0.3", "rollout.tasks_per_step=16", "train.eval_tasks=200"]
+"""The reward-hacking lab: a steadier teacher than the other guessing-game labs' (so the policy starts
+out mostly well-formed), 64 episodes a step and a 200-task held-out eval."""
+
+ENTROPY = [*GUESS, "warm_start.mistake_rate=0.3", "rollout.tasks_per_step=16", "train.lr=5e-4"]
+"""The entropy lab: the reward-hacking lab's warm start and batch, and a faster learning rate."""
+
 QUICK = ["rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=16", "env.max_turns=2",
          "train.eval_tasks=4", "warm_start.demos=8", "warm_start.epochs=1", "train.minibatch_size=4"]
+
+QUICK_GUESS = ["rollout.tasks_per_step=2", "rollout.group_size=2", "train.eval_tasks=4", "warm_start.demos=16",
+               "warm_start.epochs=1", "train.minibatch_size=4"]
+"""--quick on a guessing-game lab (5 turns kept: the teacher's demonstrations must still succeed)."""
 
 
 @dataclass
@@ -82,6 +96,12 @@ def _warm_model(out: Path, overrides: Sequence[str]) -> Path:
     trainer.model.save_pretrained(target)
     trainer.tokenizer.save_pretrained(target)
     return target
+
+
+def _warm_tokenizer(out: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(out / "warm" / "model")
 
 
 def _train_variants(out: Path, variants: dict[str, list[str]], overrides: Sequence[str],
@@ -125,9 +145,14 @@ def _first(rows: list[dict[str, Any]], key: str) -> float:
     return points[0][1] if points else math.nan
 
 
-def _alarms(out: Path) -> list[str]:
+def _alarm_events(out: Path) -> list[dict[str, Any]]:
+    """The alarms a run fired (alarms.jsonl), in order."""
     path = out / "alarms.jsonl"
-    return [json.loads(line)["alarm"] for line in path.read_text().splitlines()] if path.exists() else []
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _alarms(out: Path) -> list[str]:
+    return [event["alarm"] for event in _alarm_events(out)]
 
 
 def _plot_variants(path: Path, runs: dict[str, list[dict[str, Any]]], panels: list[tuple[str, str]],
@@ -281,7 +306,6 @@ def lab_dynamic_sampling(out: Path, overrides: Sequence[str], quick: bool,
     common = ["algo.preset=dapo", f"train.steps={steps}", f"train.eval_every={max(1, steps // 3)}",
               "rollout.dynamic_max_extra_groups=16"]
     variants = {"dapo": common, "dapo-no-dynamic": [*common, "algo.dynamic_sampling=false"]}
-    overrides = [*overrides, *GUESS, *(["warm_start.demos=16", "train.eval_tasks=4"] if quick else [])]
     runs = _train_variants(out, variants, overrides, progress)
     chart = _plot_variants(out / "dynamic_sampling.png", runs,
                            [("train/zero_advantage_frac", "zero-advantage fraction (trained batch)"),
@@ -310,65 +334,121 @@ def lab_dynamic_sampling(out: Path, overrides: Sequence[str], quick: bool,
 
 
 def lab_entropy(out: Path, overrides: Sequence[str], quick: bool, progress: Callable[[str], None]) -> LabResult:
-    steps = 2 if quick else 12
-    common = ["algo.preset=grpo", f"train.steps={steps}", f"train.eval_every={steps}", "train.lr=1e-3",
+    """GRPO without a KL anchor, with and without an entropy bonus, on the guessing game."""
+    steps = 2 if quick else 16
+    common = ["algo.preset=grpo", f"train.steps={steps}", f"train.eval_every={max(1, steps // 2)}",
               "algo.kl_coef=0"]
-    variants = {"no-bonus": [*common, "algo.entropy_coef=0"], "bonus": [*common, "algo.entropy_coef=0.02"]}
+    variants = {"no-bonus": [*common, "algo.entropy_coef=0"], "bonus-0.005": [*common, "algo.entropy_coef=0.005"],
+                "bonus-0.05": [*common, "algo.entropy_coef=0.05"]}
     runs = _train_variants(out, variants, overrides, progress)
     chart = _plot_variants(out / "entropy.png", runs,
                            [("policy/entropy", "mean token entropy"),
-                            ("train/distinct_patches", "distinct patches per group"),
-                            ("train/reward", "training reward")], "Entropy bonus")
-    numbers: dict[str, dict[str, Any]] = {label: {"entropy_first": _first(rows, "policy/entropy"), "entropy_last": _last(rows, "policy/entropy"),
-                       "distinct_patches_first": _first(rows, "train/distinct_patches"),
-                       "distinct_patches_last": _last(rows, "train/distinct_patches"),
-                       "reward_first": _first(rows, "train/reward"), "reward_last": _last(rows, "train/reward"),
-                       "eval_after": _last(rows, "eval/success"), "eval_partial_after": _last(rows, "eval/partial"),
-                       "alarms": _alarms(out / label)}
-               for label, rows in runs.items()}
-    summary = "\n".join(["# Lab: entropy", "",
-                         f"GRPO at lr 1e-3 (no KL anchor) for {steps} steps, without and with an entropy bonus.", "",
-                         _table(["variant", "entropy first", "entropy last", "distinct patches first",
-                                 "distinct patches last", "reward last", "held-out partial after", "alarms"],
-                                [(k, v["entropy_first"], v["entropy_last"], v["distinct_patches_first"],
-                                  v["distinct_patches_last"], v["reward_last"], v["eval_partial_after"],
-                                  ", ".join(v["alarms"]) or "none") for k, v in numbers.items()]),
-                         "", f"Chart: {chart.name}"])
+                            ("train/distinct_patches", "distinct guess sequences per group"),
+                            ("train/reward", "training success")], "Entropy bonus")
+    numbers: dict[str, dict[str, Any]] = {}
+    for label, rows in runs.items():
+        entropy = [v for _, v in _series(rows, "policy/entropy")]
+        numbers[label] = {"entropy_first": _first(rows, "policy/entropy"), "entropy_last": _last(rows, "policy/entropy"),
+                          "entropy_min": min(entropy, default=math.nan),
+                          "distinct_answers_first": _first(rows, "train/distinct_patches"),
+                          "distinct_answers_last": _last(rows, "train/distinct_patches"),
+                          "reward_first3": _mean([v for _, v in _series(rows, "train/reward")[:3]]),
+                          "reward_last3": _mean([v for _, v in _series(rows, "train/reward")[-3:]]),
+                          "eval_before": _first(rows, "eval/success"), "eval_after": _last(rows, "eval/success"),
+                          "alarms": _alarms(out / label)}
+    lr = _config(out, overrides).train.lr
+    plain = numbers["no-bonus"]
+    fell = plain["entropy_min"] < 0.5 * plain["entropy_first"]
+    uniform = math.log(len(_warm_tokenizer(out)))
+
+    def bonus_line(label: str) -> str:
+        v = numbers[label]
+        state = ("near the uniform distribution's " + f"{uniform:.3g}: the bonus overpowered the reward and the "
+                 "policy stopped making valid guesses" if v["entropy_last"] > 0.5 * uniform else
+                 "held" if v["entropy_last"] >= 0.9 * v["entropy_first"] else "fell")
+        return (f"- `{label}`: entropy {v['entropy_first']:.3g} -> {v['entropy_last']:.3g} ({state}); distinct answers "
+                f"{v['distinct_answers_last']:.3g}; success in the last 3 steps {v['reward_last3']:.3g}; held-out "
+                f"{v['eval_before']:.3g} -> {v['eval_after']:.3g}.")
+
+    summary = "\n".join([
+        "# Lab: entropy", "",
+        f"The guessing game (1..16, 5 guesses), GRPO at lr {lr:g} with no KL anchor for {steps} steps from one "
+        "warm start, without an entropy bonus and with two coefficients. Distinct answers: distinct guess "
+        "sequences among a group's attempts (1 = the group explores nothing).", "",
+        _table(["variant", "entropy first", "entropy last", "entropy min", "distinct answers first",
+                "distinct answers last", "success, first 3 steps", "success, last 3 steps", "held-out before",
+                "held-out after", "alarms"],
+               [(k, v["entropy_first"], v["entropy_last"], v["entropy_min"], v["distinct_answers_first"],
+                 v["distinct_answers_last"], v["reward_first3"], v["reward_last3"], v["eval_before"],
+                 v["eval_after"], ", ".join(v["alarms"]) or "none") for k, v in numbers.items()]), "",
+        (f"- `no-bonus`: entropy fell to {plain['entropy_min']:.3g} (from {plain['entropy_first']:.3g}): a collapse."
+         if fell else
+         f"- `no-bonus`: entropy did not collapse in this budget (lowest {plain['entropy_min']:.3g}, from "
+         f"{plain['entropy_first']:.3g}); the collapse the lecture describes needs longer training than this lab's."),
+        *[bonus_line(label) for label in numbers if label != "no-bonus"],
+        "", f"Chart: {chart.name}"])
     return LabResult("entropy", numbers, summary, [chart])
 
 
 def lab_reward_hacking(out: Path, overrides: Sequence[str], quick: bool,
                        progress: Callable[[str], None]) -> LabResult:
-    steps = 2 if quick else 12
-    every = 1 if quick else 3
-    common = ["algo.preset=grpo", f"train.steps={steps}", f"train.eval_every={every}", "env.partial_credit=false",
-              "monitor.window=2"]
+    """GRPO on the guessing game's `weak` verifier vs its `strong` one, both evaluated by `strong`."""
+    steps = 2 if quick else 20
+    every = 1 if quick else 4
+    common = ["algo.preset=grpo", f"train.steps={steps}", f"train.eval_every={every}", "monitor.window=2"]
     variants = {"weak": [*common, "env.verifier=weak"], "strong": [*common, "env.verifier=strong"]}
     runs = _train_variants(out, variants, overrides, progress)
     chart = _plot_variants(out / "reward_hacking.png", runs,
                            [("train/reward", "training reward (its own verifier)"),
-                            ("eval/success", "held-out success (strong verifier)")],
+                            ("eval/success", "held-out success (strong verifier)"),
+                            ("train/action_error_frac", "share of turns with an invalid action")],
                            "Training on a weak verifier vs a strong one")
-    numbers: dict[str, dict[str, Any]] = {label: {"reward_first": _first(rows, "train/reward"),
-                       "reward_last": _last(rows, "train/reward"),
-                       "reward_mean_last3": _mean([v for _, v in _series(rows, "train/reward")[-3:]]),
-                       "eval_before": _first(rows, "eval/success"), "eval_after": _last(rows, "eval/success"),
-                       "eval_partial_before": _first(rows, "eval/partial"),
-                       "eval_partial_after": _last(rows, "eval/partial"), "alarms": _alarms(out / label)}
-               for label, rows in runs.items()}
-    summary = "\n".join(["# Lab: reward hacking", "",
-                         f"GRPO with strict reward for {steps} steps from one warm start, the training reward given "
-                         "by the `weak` verifier (only the key check) or by `strong`; both evaluated with `strong` "
-                         "on held-out tasks.", "",
-                         _table(["verifier", "train reward first", "train reward last", "held-out success before",
-                                 "held-out success after", "held-out partial after", "alarms"],
-                                [(k, v["reward_first"], v["reward_last"], v["eval_before"], v["eval_after"],
-                                  v["eval_partial_after"], ", ".join(v["alarms"]) or "none")
-                                 for k, v in numbers.items()]), "",
-                         "Where `weak` is hacked, a patch that satisfies only the key check earns full training "
-                         "reward and nothing from the held-out eval: read weak/samples/ and weak/alarms/ to see "
-                         "which happened in this run.",
-                         "", f"Chart: {chart.name}"])
+    numbers: dict[str, dict[str, Any]] = {}
+    for label, rows in runs.items():
+        events = _alarm_events(out / label)
+        divergence = next((e for e in events if e["alarm"] == "divergence"), None)
+        numbers[label] = {
+            "reward_first": _first(rows, "train/reward"), "reward_last": _last(rows, "train/reward"),
+            "reward_mean_last3": _mean([v for _, v in _series(rows, "train/reward")[-3:]]),
+            "eval_before": _first(rows, "eval/success"), "eval_after": _last(rows, "eval/success"),
+            "eval_best": max((v for _, v in _series(rows, "eval/success")), default=math.nan),
+            "action_errors_first": _first(rows, "train/action_error_frac"),
+            "action_errors_last": _last(rows, "train/action_error_frac"),
+            "eval_action_errors_after": _last(rows, "eval/action_error_frac"),
+            "alarms": [e["alarm"] for e in events],
+            "divergence_step": divergence["step"] if divergence else None,
+            "divergence_message": divergence["message"] if divergence else None}
+    weak, strong = numbers["weak"], numbers["strong"]
+
+    def verdict(v: dict[str, Any]) -> str:
+        reward = "rose" if v["reward_last"] > v["reward_first"] else "did not rise"
+        held = "rose" if v["eval_after"] > v["eval_before"] else "did not rise"
+        alarm = (f"the divergence alarm fired at step {v['divergence_step']}" if v["divergence_step"] is not None
+                 else "the divergence alarm stayed silent")
+        return (f"training reward {reward} ({v['reward_first']:.3g} -> {v['reward_last']:.3g}), held-out success "
+                f"{held} ({v['eval_before']:.3g} -> {v['eval_after']:.3g}) and {alarm}")
+
+    summary = "\n".join([
+        "# Lab: reward hacking", "",
+        "The guessing game (1..16, 5 guesses). Its `weak` verifier scores an episode as solved unless the last "
+        "answer was \"higher\" or \"lower\": it checks for the absence of a failure signal, not for success, like "
+        "a test run that passes when nothing fails. An episode that ends on an invalid guess (0, 17, a broken "
+        "call) is \"solved\" without finding the number. "
+        f"GRPO for {steps} steps from one warm start, the training reward given by `weak` or by `strong` (found "
+        f"the number); both are evaluated greedily by `strong` on held-out secrets every {every} steps, and the "
+        "divergence alarm compares the two.", "",
+        _table(["training verifier", "train reward first", "train reward last", "held-out success before",
+                "held-out success after", "invalid turns, first step", "invalid turns, last step",
+                "invalid turns, held-out eval after", "alarms"],
+               [(k, v["reward_first"], v["reward_last"], v["eval_before"], v["eval_after"],
+                 v["action_errors_first"], v["action_errors_last"], v["eval_action_errors_after"],
+                 ", ".join(v["alarms"]) or "none") for k, v in numbers.items()]), "",
+        f"- `weak`: {verdict(weak)}.",
+        f"- `strong`: {verdict(strong)}.", "",
+        (f"The alarm said: \"{weak['divergence_message']}\"" if weak["divergence_message"] else
+         "No divergence alarm on `weak` in this run."),
+        "Read weak/samples/ and weak/alarms/ for the trajectories: the invalid-turn share shows the hack "
+        "(ending on an invalid action) spreading under `weak`.", "", f"Chart: {chart.name}"])
     return LabResult("reward-hacking", numbers, summary, [chart])
 
 
@@ -407,7 +487,7 @@ def lab_credit(out: Path, overrides: Sequence[str], quick: bool, progress: Calla
     from keelrl.rollout.trajectory import collate
 
     steps = 2 if quick else 15
-    settings = [*overrides, *GUESS, *(["warm_start.demos=16", "train.eval_tasks=4"] if quick else [])]
+    settings = list(overrides)
     common = [f"train.steps={steps}", f"train.eval_every={max(1, steps // 3)}"]
     variants = {"grpo": ["algo.preset=grpo", *common],
                 "critic-turn-gae": ["algo.preset=ppo", "algo.level=turn", "algo.lam=0.9", "model.critic=head",
@@ -423,6 +503,8 @@ def lab_credit(out: Path, overrides: Sequence[str], quick: bool, progress: Calla
     engine.start(critic.step)
     example: list[dict[str, Any]] = []
     for attempt in range(6):
+        if attempt:  # the same weights under the next version, so the next step's requests may start
+            critic.publish(engine, critic.step + attempt)
         trajectories = engine.batch(critic.step + 1 + attempt).trajectories
         batch = collate(trajectories, critic.pad_id).to(critic.device)
         critic_adv = critic._advantages(batch)[0].cpu()
@@ -473,13 +555,21 @@ def lab_credit(out: Path, overrides: Sequence[str], quick: bool, progress: Calla
 
 LabFn = Callable[[Path, Sequence[str], bool, Callable[[str], None]], LabResult]
 
-LABS: dict[str, tuple[str, LabFn]] = {
-    "stale-ratios": ("importance weights by ratio type, staleness and length", lab_stale_ratios),
-    "dynamic-sampling": ("DAPO with and without dynamic sampling", lab_dynamic_sampling),
-    "entropy": ("entropy collapse without a bonus vs with one", lab_entropy),
-    "reward-hacking": ("training on the weak verifier vs the strong one", lab_reward_hacking),
-    "credit": ("critic + turn-level GAE vs GRPO group credit (guessing game)", lab_credit),
+LABS: dict[str, tuple[str, LabFn, list[str]]] = {
+    "stale-ratios": ("importance weights by ratio type, staleness and length", lab_stale_ratios, []),
+    "dynamic-sampling": ("DAPO with and without dynamic sampling (guessing game)", lab_dynamic_sampling, GUESS),
+    "entropy": ("entropy collapse without a bonus vs with one (guessing game)", lab_entropy, ENTROPY),
+    "reward-hacking": ("training on the weak verifier vs the strong one (guessing game)", lab_reward_hacking, HACK),
+    "credit": ("critic + turn-level GAE vs GRPO group credit (guessing game)", lab_credit, GUESS),
 }
+"""name -> (description, function, the settings it runs on over LAB_FAST)."""
+
+
+def lab_settings(name: str, overrides: Sequence[str] = (), quick: bool = False) -> list[str]:
+    """The overrides every training run of lab `name` starts from; the user's come last and win."""
+    base = LABS[name][2]
+    quick_settings = (QUICK_GUESS if "env.name=guess" in base else QUICK) if quick else []
+    return [*LAB_FAST, *base, *quick_settings, *overrides]
 
 
 def run_lab(name: str, out: str | Path | None = None, overrides: Sequence[str] = (), quick: bool = False,
@@ -489,9 +579,14 @@ def run_lab(name: str, out: str | Path | None = None, overrides: Sequence[str] =
         raise KeyError(f"unknown lab {name!r}; valid names: {', '.join(LABS)}")
     directory = Path(out or f"runs/lab-{name}")
     directory.mkdir(parents=True, exist_ok=True)
-    settings = [*LAB_FAST, *(QUICK if quick else []), *overrides]
+    function = LABS[name][1]
+    settings = lab_settings(name, overrides, quick)
     _config(directory, settings)  # a bad override fails here, before any work
-    result = LABS[name][1](directory, settings, quick, progress or (lambda message: None))
+    started = time.monotonic()
+    result = function(directory, settings, quick, progress or (lambda message: None))
+    seconds = time.monotonic() - started
+    result.numbers = {**result.numbers, "lab_seconds": round(seconds, 1)}
+    result.summary += f"\n\nLab wall time: {seconds:.0f} s."
     (directory / "summary.md").write_text(result.summary + "\n")
     (directory / "results.json").write_text(json.dumps(result.numbers, indent=2, default=str))
     result.files += [directory / "summary.md", directory / "results.json"]

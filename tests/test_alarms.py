@@ -141,3 +141,15 @@ def test_a_run_stops_on_its_alarm_and_writes_samples_around_it(tmp_path_factory)
     sample = (run_dir / "alarms" / "importance_weight_step_0001.txt").read_text()
     assert "exceeds" in sample and "ACTION:" in sample
     assert (run_dir / "checkpoint" / "state.pt").exists()
+
+
+def test_distinct_answers_of_the_guessing_game_are_guess_sequences():
+    def traj(*actions):
+        t = Trajectory("t", 0)
+        t.actions = list(actions)
+        return t
+
+    group = [traj("<call>guess 8</call>", "<call>guess 4</call>"), traj("<call>guess 8</call>", "<call>guess 4</call> "),
+             traj("<call>guess 8</call>", "<call>guess 12</call>"), traj("<call>guess 0</call>")]
+    assert distinct_patches([group], ("guess",)) == 3.0
+    assert distinct_patches([group]) == 1.0  # no edits: every coding patch is empty

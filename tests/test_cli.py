@@ -104,3 +104,20 @@ def test_keel_tasks_export_and_validate(tmp_path):
     (tmp_path / "malformed.jsonl").write_text('{"id": "x"}\n')
     malformed = keel("tasks", "validate", str(tmp_path / "malformed.jsonl"))
     assert malformed.returncode == 2 and "missing fields" in malformed.stderr
+
+
+def test_overrides_may_follow_options(monkeypatch):
+    """`keel lab NAME --out DIR key=value`: overrides after an option still reach the command."""
+    import keelrl.cli as cli
+
+    seen = {}
+
+    def fake_lab(args):
+        seen.update(out=args.out, overrides=args.overrides, quick=args.quick)
+        return 0
+
+    monkeypatch.setattr(cli, "_cmd_lab", fake_lab)
+    assert main(["lab", "credit", "a.b=1", "--out", "/tmp/x", "train.lr=1e-3", "--quick", "c=2"]) == 0
+    assert seen == {"out": "/tmp/x", "overrides": ["a.b=1", "train.lr=1e-3", "c=2"], "quick": True}
+    with pytest.raises(SystemExit):  # a stray word is still an error, not silently dropped
+        main(["lab", "credit", "--out", "/tmp/x", "notanoverride"])

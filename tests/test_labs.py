@@ -9,7 +9,7 @@ import pytest
 
 from keelrl.cli import main
 from keelrl.errors import ConfigError
-from keelrl.labs import LABS, run_lab
+from keelrl.labs import LABS, lab_settings, run_lab
 
 
 def test_lab_list_and_unknown_names(capsys):
@@ -24,6 +24,17 @@ def test_a_bad_override_fails_before_any_work(tmp_path):
     with pytest.raises(ConfigError, match="rollout.engine"):
         run_lab("stale-ratios", tmp_path, ["rollout.engine=nope"], quick=True)
     assert not any(tmp_path.iterdir())
+
+
+def test_user_overrides_win_over_every_lab_default(tmp_path):
+    from keelrl.config import load_config
+
+    for name in LABS:
+        for quick in (False, True):
+            cfg = load_config(overrides=lab_settings(name, ["rollout.tasks_per_step=3", "train.lr=7e-4"], quick))
+            assert (cfg.rollout.tasks_per_step, cfg.train.lr) == (3, 7e-4), (name, quick)
+    assert load_config(overrides=lab_settings("reward-hacking")).env.name == "guess"
+    assert load_config(overrides=lab_settings("reward-hacking", quick=True)).env.max_turns == 5
 
 
 def test_stale_ratios_lab_measures_weights_on_real_rollouts(tmp_path):
@@ -47,9 +58,10 @@ def test_stale_ratios_lab_measures_weights_on_real_rollouts(tmp_path):
 @pytest.mark.parametrize("name", ["dynamic-sampling", "entropy", "reward-hacking", "credit"])
 def test_training_labs_run_at_the_quick_budget(tmp_path, name):
     result = run_lab(name, tmp_path, quick=True)
-    variants = {"dynamic-sampling": {"dapo", "dapo-no-dynamic"}, "entropy": {"no-bonus", "bonus"},
+    variants = {"dynamic-sampling": {"dapo", "dapo-no-dynamic"}, "entropy": {"no-bonus", "bonus-0.005", "bonus-0.05"},
                 "reward-hacking": {"weak", "strong"}, "credit": {"grpo", "critic-turn-gae", "failed_episode_turns"}}
-    assert set(result.numbers) == variants[name]
+    assert set(result.numbers) - {"lab_seconds"} == variants[name]
+    assert result.numbers["lab_seconds"] > 0 and "Lab wall time" in result.summary
     assert all(path.exists() for path in result.files)
     assert (tmp_path / "warm" / "model" / "config.json").exists()
     assert LABS[name][0]

@@ -159,3 +159,14 @@ def test_every_critic_gives_aligned_values_and_trains_only_what_it_should(tiny, 
     assert policy_gets_grad == (kind == "success_token")  # head: stop-gradient; separate: its own body
     if kind == "separate":
         assert critic.body.model.layers[0].mlp.up_proj.weight.grad.abs().sum() > 0
+
+
+def test_rejected_actions_are_counted_per_trajectory(tiny):
+    from keelrl.envs.guess import GuessEnv, GuessTask
+
+    _, tokenizer = tiny
+    script = ["<call>guess 0</call>", "<call>guess 3</call>", "no call at all", "<call>guess 9</call>"]
+    [trajectory] = run_episodes(lambda: GuessEnv(max_turns=4), [GuessTask("g", secret=9, n=16)], tokenizer,
+                                scripted_actor(tokenizer, [lambda prompt, turns: script[len(turns)]]),
+                                RolloutConfig(max_turns=4))
+    assert trajectory.action_errors == 2 and len(trajectory.actions) == 4 and trajectory.success

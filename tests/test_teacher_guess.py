@@ -10,7 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from keelrl.config import load_config
 from keelrl.envs.base import CheckResult, run_episode
+from keelrl.errors import ConfigError
 from keelrl.envs.coding import CodingEnv
 from keelrl.envs.guess import GuessEnv, GuessTask, guess_tasks
 from keelrl.envs.teacher import ScriptedTeacher, edit_action
@@ -307,3 +309,52 @@ def test_trainer_runs_on_the_guessing_game(tmp_path):
     summary = trainer.run()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert summary["steps"] == 2 and rows[0]["warm_start/demos"] > 0 and "eval/success" in rows[-1]
+
+
+# -- the weak guess verifier (the reward-hacking lab's hole) ----------------------------------
+
+def _weak_grade(actions, secret=7, max_turns=3):
+    env = GuessEnv(max_turns=max_turns, verifier="weak")
+    env.reset(GuessTask("g", secret=secret, n=16))
+    for action in actions:
+        _, done, _ = env.step(action)
+        if done:
+            break
+    return env.grade()
+
+
+@pytest.mark.parametrize("actions, passed", [
+    (["<call>guess 7</call>"], True),  # found: both verifiers agree
+    (["<call>guess 3</call>", "<call>guess 9</call>", "<call>guess 5</call>"], False),  # ended on "higher"
+    (["<call>guess 0</call>"] * 3, True),  # the hole: a constant invalid guess is never told it is wrong
+    (["<call>guess 3</call>", "<call>guess 9</call>", "oops"], True),  # a broken last call passes too
+    (["<call>guess 0</call>", "<call>guess 0</call>", "<call>guess 4</call>"], False),
+])
+def test_weak_guess_verifier_passes_unless_the_last_answer_said_wrong(actions, passed):
+    grade = _weak_grade(actions)
+    assert grade.reward == float(passed) and grade.success is passed and grade.verifier == "guess-weak"
+    assert grade.checks[0].name == "last_answer_not_wrong"
+    strong = GuessEnv(max_turns=3)
+    strong.reset(GuessTask("g", secret=7, n=16))
+    for action in actions:
+        if strong.step(action)[1]:
+            break
+    assert strong.grade().reward == float("<call>guess 7</call>" in actions)  # strong: only finding counts
+
+
+def test_guess_verifier_names_are_checked():
+    with pytest.raises(ValueError, match="unknown guess verifier 'brittle'"):
+        GuessEnv(verifier="brittle")
+    with pytest.raises(ConfigError, match="env.verifier.*guessing game has no verifier 'brittle'"):
+        load_config(overrides=["env.name=guess", "env.verifier=brittle"])
+    assert load_config(overrides=["env.name=guess", "env.verifier=weak"]).env.verifier == "weak"
+
+
+def test_trainer_trains_on_the_weak_guess_verifier_and_evaluates_with_strong(tmp_path):
+    from keelrl.train.trainer import Trainer
+
+    trainer = Trainer(load_config(overrides=[f"run_dir={tmp_path}", "env.name=guess", "env.verifier=weak",
+                                             "warm_start.demos=0"]))
+    train_env, eval_env = trainer.train_env_factory()(), trainer._env(trainer.eval_verifier)()
+    assert (train_env.verifier, eval_env.verifier) == ("weak", "strong")
+    assert trainer._env(trainer.train_verifier)().verifier == "weak"

@@ -285,6 +285,8 @@ class EpisodeScheduler:
     def _after_step(self, episode: Episode, observation: str, done: bool, info: dict[str, Any]) -> None:
         trajectory = episode.trajectory
         trajectory.observations.append(observation)
+        if info.get("error"):
+            trajectory.action_errors += 1
         turn = episode.turn
         episode.turn += 1
         if done:

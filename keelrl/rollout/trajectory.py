@@ -38,6 +38,8 @@ class Trajectory:
     partial: float = 0.0
     checks: list[dict[str, Any]] = field(default_factory=list)
     termination: str = ""
+    action_errors: int = 0
+    """Turns whose action the environment rejected (malformed call, bad argument: info["error"])."""
     seconds: dict[str, float] = field(default_factory=dict)
 
     def extend(self, tokens: Sequence[int], *, action: bool, turn: int, logprobs: Sequence[float] | None = None) -> None:

@@ -36,7 +36,7 @@ from keelrl.envs.coding import CodingEnv
 from keelrl.envs.guess import BinarySearchTeacher, GuessEnvFactory
 from keelrl.envs.tasks import Task
 from keelrl.envs.teacher import ScriptedTeacher
-from keelrl.alarms import AlarmEvent, AlarmMonitor, distinct_patches
+from keelrl.alarms import PATCH_TOOLS, AlarmEvent, AlarmMonitor, distinct_patches
 from keelrl.monitor import MetricsLogger, plot_run, read_metrics
 from keelrl.policy.critic import build_critic
 from keelrl.policy.model import load_policy, resolve_device, token_logprobs
@@ -45,7 +45,7 @@ from keelrl.rollout.agent_loop import RolloutConfig, model_actor, run_episodes, 
 from keelrl.rollout.engines import LocalEngine, RolloutEngine, StepRollouts
 from keelrl.rollout.scheduler import GroupRequest
 from keelrl.rollout.trajectory import Batch, Trajectory, collate
-from keelrl.sandbox import Sandbox
+from keelrl.sandbox import Sandbox, default_hidden_paths
 from keelrl.train.dynamic import fill_batch
 from keelrl.verifiers import DEFAULT_LIMITS, make_verifier
 
@@ -80,8 +80,9 @@ class CodingEnvFactory:
     """A picklable `make_env` for CodingEnv (Ray workers build their own sandbox and verifier)."""
 
     def __init__(self, verifier: str, *, partial_credit: bool = True, max_turns: int = 6,
-                 show_tools: bool = False, key_weight: float = 1.0) -> None:
+                 show_tools: bool = False, key_weight: float = 1.0, hidden_paths: Sequence[str] = ()) -> None:
         self.verifier, self.partial_credit, self.key_weight = verifier, partial_credit, key_weight
+        self.hidden_paths = list(hidden_paths)
         self.max_turns, self.show_tools = max_turns, show_tools
         self._built: tuple[Sandbox, Any] | None = None
 
@@ -90,7 +91,7 @@ class CodingEnvFactory:
 
     def __call__(self) -> CodingEnv:
         if self._built is None:
-            sandbox = Sandbox(DEFAULT_LIMITS)
+            sandbox = Sandbox(DEFAULT_LIMITS, hidden_paths=self.hidden_paths or None)
             self._built = (sandbox, make_verifier(self.verifier, sandbox, partial_credit=self.partial_credit,
                                                   key_weight=self.key_weight))
         sandbox, verifier = self._built
@@ -118,7 +119,8 @@ class Trainer:
             self.reference, _ = load_policy(cfg.model.path, self.device)
             self.reference.eval().requires_grad_(False)
         self.train_tasks, self.heldout_tasks = load_task_splits(cfg)
-        self.sandbox = Sandbox(DEFAULT_LIMITS)
+        self.run_dir.mkdir(parents=True, exist_ok=True)  # exists before the sandbox hides it
+        self.sandbox = Sandbox(DEFAULT_LIMITS, hidden_paths=self.hidden_paths())
         self.train_verifier = make_verifier(cfg.env.verifier, self.sandbox, partial_credit=cfg.env.partial_credit,
                                             key_weight=cfg.env.key_check_weight)
         self.eval_verifier = make_verifier("strong", self.sandbox)
@@ -152,14 +154,28 @@ class Trainer:
             params += list(self.value_head.parameters())
         return params
 
+    def hidden_paths(self) -> list[str]:
+        """What the sandbox hides from the code it runs: keelrl's source, the directory the run
+        started in, the run directory (checkpoints, solved transcripts) and the task file."""
+        paths = [*default_hidden_paths(), Path(self.cfg.run_dir).resolve()]
+        if self.cfg.env.tasks != "bundled":
+            paths.append(Path(self.cfg.env.tasks).resolve())
+        return [str(path) for path in paths]
+
     def _optimizer(self, lr: float) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self._parameters(), lr=lr, weight_decay=self.cfg.train.weight_decay)
 
     def _env(self, verifier: Any) -> Callable[[], Any]:
         if self.cfg.env.name == "guess":
-            return GuessEnvFactory(self.cfg.env.max_turns)
+            name = self.cfg.env.verifier if verifier is self.train_verifier else "strong"
+            return GuessEnvFactory(self.cfg.env.max_turns, name)
         return lambda: CodingEnv(verifier, sandbox=self.sandbox, max_turns=self.cfg.env.max_turns,
                                  show_tools=self.cfg.env.show_tools)
+
+    @property
+    def _answer_tools(self) -> tuple[str, ...]:
+        """The tools whose calls are an episode's answer, for the distinct-answers metric."""
+        return ("guess",) if self.cfg.env.name == "guess" else PATCH_TOOLS
 
     def _rollout_cfg(self, group_size: int) -> RolloutConfig:
         r = self.cfg.rollout
@@ -180,9 +196,10 @@ class Trainer:
         """A picklable factory of training environments (override to wrap them, e.g. in bench/)."""
         env = self.cfg.env
         if env.name == "guess":
-            return GuessEnvFactory(env.max_turns)
+            return GuessEnvFactory(env.max_turns, env.verifier)
         return CodingEnvFactory(env.verifier, partial_credit=env.partial_credit, max_turns=env.max_turns,
-                                show_tools=env.show_tools, key_weight=env.key_check_weight)
+                                show_tools=env.show_tools, key_weight=env.key_check_weight,
+                                hidden_paths=self.hidden_paths())
 
     def extra_requests(self, step: int, start: int, count: int) -> list[GroupRequest]:
         """Dynamic sampling's extra groups `start..start+count-1` of step `step` (deterministic)."""
@@ -280,6 +297,8 @@ class Trainer:
                                     self._rollout_cfg(1), seed=self.cfg.seed + 7919)
         return {"eval/success": sum(t.success for t in trajectories) / len(trajectories),
                 "eval/partial": sum(t.partial for t in trajectories) / len(trajectories),
+                "eval/action_error_frac": (sum(t.action_errors for t in trajectories)
+                                           / max(1, sum(len(t.actions) for t in trajectories))),
                 "eval/tasks": len(trajectories)}
 
     # ----------------------------------------------------------------- RL
@@ -385,7 +404,9 @@ class Trainer:
             "train/episode_tokens": tokens / len(trajectories),
             "train/action_tokens": sum(t.num_action_tokens for t in trajectories) / len(trajectories),
             "train/turns": sum(len(t.actions) for t in trajectories) / len(trajectories),
-            "train/distinct_patches": distinct_patches(self._groups(trajectories)),
+            "train/action_error_frac": (sum(t.action_errors for t in trajectories)
+                                        / max(1, sum(len(t.actions) for t in trajectories))),
+            "train/distinct_patches": distinct_patches(self._groups(trajectories), self._answer_tools),
             "train/updates": updates, "train/skipped_updates": skipped, "train/lr": lr,
             "time/step_s": seconds, "time/learn_s": learn_seconds,
             "time/learner_util": learn_seconds / max(seconds, 1e-9),
