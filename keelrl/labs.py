@@ -416,6 +416,10 @@ def lab_reward_hacking(out: Path, overrides: Sequence[str], quick: bool,
             "action_errors_last": _last(rows, "train/action_error_frac"),
             "eval_action_errors_after": _last(rows, "eval/action_error_frac"),
             "alarms": [e["alarm"] for e in events],
+            "eval_series": _series(rows, "eval/success"),
+            "reward_by_eval": [_mean([r for s, r in _series(rows, "train/reward") if lo < s <= hi])
+                               for (lo, _), (hi, _) in zip(_series(rows, "eval/success"),
+                                                           _series(rows, "eval/success")[1:])],
             "divergence_step": divergence["step"] if divergence else None,
             "divergence_message": divergence["message"] if divergence else None}
     weak, strong = numbers["weak"], numbers["strong"]
@@ -445,6 +449,10 @@ def lab_reward_hacking(out: Path, overrides: Sequence[str], quick: bool,
                  ", ".join(v["alarms"]) or "none") for k, v in numbers.items()]), "",
         f"- `weak`: {verdict(weak)}.",
         f"- `strong`: {verdict(strong)}.", "",
+        "Held-out success at each eval (step: success) and the mean training reward of the steps before it:", "",
+        *[f"- `{k}`: " + ", ".join(f"{step}: {value:.3g}" for step, value in v["eval_series"])
+          + " | reward " + ", ".join(f"{value:.3g}" for value in v["reward_by_eval"]) for k, v in numbers.items()],
+        "",
         (f"The alarm said: \"{weak['divergence_message']}\"" if weak["divergence_message"] else
          "No divergence alarm on `weak` in this run."),
         "Read weak/samples/ and weak/alarms/ for the trajectories: the invalid-turn share shows the hack "
