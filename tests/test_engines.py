@@ -280,3 +280,22 @@ def test_decoupled_equals_plain_ppo_when_the_batch_is_fresh():
     assert float(decoupled.detach()) == pytest.approx(float(plain.detach()), rel=1e-6)
     with pytest.raises(ValueError, match="prox_logp"):
         policy_objective(logp=logp, old_logp=mu, advantages=adv, mask=mask, cfg=AlgoConfig(preset="decoupled"))
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 3])
+def test_async_engine_never_samples_past_the_last_step(max_staleness):
+    asked = []
+
+    def requests_for(step):
+        asked.append(step)
+        return [GroupRequest(index=step, task=step, group_size=2, seed=step)]
+
+    model = torch.nn.Linear(1, 1)
+    engine = LocalEngine(requests_for, model=model, tokenizer=ByteTokenizer(),
+                         make_env=lambda: LatencyEnv(lambda t, k: 0.0, lambda t: 1),
+                         sampling=SamplingConfig(), rollout=RolloutConfig(max_turns=2),
+                         asynchronous=True, max_staleness=max_staleness, act_for=versions_actor)
+    engine.last_step = 3
+    results = run_fake_learner(engine, 3, [0.0, 0.0, 0.0], model)
+    assert [len(r.trajectories) for r in results] == [2, 2, 2]
+    assert max(asked) == 3  # nothing was sent ahead for steps 4.. that the run never takes

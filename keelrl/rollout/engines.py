@@ -94,10 +94,22 @@ class RolloutEngine:
         self.max_staleness = max_staleness
         self.version = 0
         self._submitted_through = 0
+        self.last_step: int | None = None
+        """The run's last step: requests are never sent ahead past it (a later batch() still works)."""
 
     def _requests(self, step: int) -> list[GroupRequest]:
         min_version = max(0, step - 1 - self.max_staleness)
         return [dataclasses.replace(r, min_version=min_version) for r in self.requests_for(step)]
+
+    def _steps_to_submit(self, step: int) -> list[int]:
+        """Steps whose requests go out now: `step` and up to max_staleness ahead (not past last_step)
+        that were not sent yet."""
+        ahead = step + self.max_staleness
+        if self.last_step is not None:
+            ahead = max(step, min(ahead, self.last_step))
+        steps = list(range(max(self._submitted_through + 1, step), ahead + 1))
+        self._submitted_through = max(self._submitted_through, ahead)
+        return steps
 
     def start(self, version: int) -> None:
         """The learner holds weights of `version`; the next batch asked for is step version + 1."""
@@ -197,10 +209,8 @@ class LocalEngine(RolloutEngine):
             self.model.eval()
             results = self.scheduler.run(requests)
         else:
-            ahead = step + self.max_staleness
-            for future_step in range(max(self._submitted_through + 1, step), ahead + 1):
+            for future_step in self._steps_to_submit(step):
                 self.scheduler.submit(self._requests(future_step))
-            self._submitted_through = max(self._submitted_through, ahead)
             results = self._wait(requests)
         waited = time.monotonic() - tick
         trajectories = [t for result in results for t in result.trajectories]

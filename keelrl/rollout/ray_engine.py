@@ -185,10 +185,8 @@ class RayEngine(RolloutEngine):
 
     def batch(self, step: int) -> StepRollouts:
         tick = time.monotonic()
-        ahead = step + self.max_staleness
-        for future_step in range(max(self._submitted_through + 1, step), ahead + 1):
+        for future_step in self._steps_to_submit(step):
             self._submit(self._requests(future_step))
-        self._submitted_through = max(self._submitted_through, ahead)
         totals = SchedulerStats()
         results = self._wait([r.index for r in self._requests(step)], totals)
         trajectories = [t for result in results for t in result.trajectories]

@@ -231,16 +231,20 @@ class Trainer:
         r = self.cfg.rollout
         sampling = SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
         make_env = self.train_env_factory()
+        engine: RolloutEngine
         if r.engine == "ray":
             from keelrl.rollout.ray_engine import RayEngine
 
-            return RayEngine(self.requests_for, model_path=self.cfg.model.path, tokenizer=self.tokenizer,
-                             make_env=make_env, sampling=sampling, rollout=self._rollout_cfg(r.group_size),
-                             max_staleness=r.max_staleness, workers=r.workers, worker_cpus=r.worker_cpus,
-                             seed=self.cfg.seed)
-        return LocalEngine(self.requests_for, model=self.model, tokenizer=self.tokenizer, make_env=make_env,
-                           sampling=sampling, rollout=self._rollout_cfg(r.group_size),
-                           asynchronous=r.engine == "async", max_staleness=r.max_staleness)
+            engine = RayEngine(self.requests_for, model_path=self.cfg.model.path, tokenizer=self.tokenizer,
+                               make_env=make_env, sampling=sampling, rollout=self._rollout_cfg(r.group_size),
+                               max_staleness=r.max_staleness, workers=r.workers, worker_cpus=r.worker_cpus,
+                               seed=self.cfg.seed)
+        else:
+            engine = LocalEngine(self.requests_for, model=self.model, tokenizer=self.tokenizer, make_env=make_env,
+                                 sampling=sampling, rollout=self._rollout_cfg(r.group_size),
+                                 asynchronous=r.engine == "async", max_staleness=r.max_staleness)
+        engine.last_step = self.cfg.train.steps  # no episodes sampled for steps the run never takes
+        return engine
 
     def publish(self, engine: RolloutEngine, version: int) -> None:
         """Hand the engine a copy of the current weights as `version` (the sync engine shares them)."""
