@@ -156,7 +156,9 @@ def _alarms(out: Path) -> list[str]:
 
 
 def _plot_variants(path: Path, runs: dict[str, list[dict[str, Any]]], panels: list[tuple[str, str]],
-                   title: str) -> Path:
+                   title: str, marks: dict[str, list[tuple[int, str]]] | None = None) -> Path:
+    """One panel per metric, one line per variant; `marks` draws each variant's (step, label) events
+    (alarms) as dashed vertical lines in the variant's colour."""
     plt = _plt()
     figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6))
     axes = list(axes) if len(panels) > 1 else [axes]
@@ -165,7 +167,10 @@ def _plot_variants(path: Path, runs: dict[str, list[dict[str, Any]]], panels: li
             points = _series(rows, key)
             if points:
                 steps, values = zip(*points)
-                ax.plot(steps, values, marker="o", label=variant)
+                line = ax.plot(steps, values, marker="o", label=variant)[0]
+                for step, name in (marks or {}).get(variant, []):
+                    ax.axvline(step, color=line.get_color(), linestyle="--", linewidth=1,
+                               label=f"{variant}: {name} alarm")
         ax.set_title(label)
         ax.set_xlabel("RL step")
         ax.legend(fontsize=8)
@@ -398,11 +403,13 @@ def lab_reward_hacking(out: Path, overrides: Sequence[str], quick: bool,
     common = ["algo.preset=grpo", f"train.steps={steps}", f"train.eval_every={every}", "monitor.window=2"]
     variants = {"weak": [*common, "env.verifier=weak"], "strong": [*common, "env.verifier=strong"]}
     runs = _train_variants(out, variants, overrides, progress)
+    marks = {label: [(e["step"], e["alarm"]) for e in _alarm_events(out / label) if e["alarm"] == "divergence"]
+             for label in runs}
     chart = _plot_variants(out / "reward_hacking.png", runs,
                            [("train/reward", "training reward (its own verifier)"),
                             ("eval/success", "held-out success (strong verifier)"),
                             ("train/action_error_frac", "share of turns with an invalid action")],
-                           "Training on a weak verifier vs a strong one")
+                           "Training on a weak verifier vs a strong one", marks)
     numbers: dict[str, dict[str, Any]] = {}
     for label, rows in runs.items():
         events = _alarm_events(out / label)
