@@ -1182,11 +1182,15 @@ def check_exposure(env: CodingEnv, task: Task, results: Sequence[ProbeResult], p
         "the verifier restores the test file from the task before every grading")
     readable = view["source_readable"]
     hidden = tuple(getattr(env.verifier.sandbox, "hidden", ()))
+    temp = Path(tempfile.gettempdir()).resolve()
+    private = [path for path in source_paths() if temp in Path(path).parents]
+    closed_by = ([f"empty mounts over {', '.join(hidden)}"] if hidden else []) + \
+        ([f"{', '.join(private)} under the private /tmp"] if private and namespaces else [])
     source = Exposure(
         "source tree", bool(readable),
         f"readable from the sandbox: {', '.join(readable) or 'none'} (of {', '.join(source_paths())}: keelrl's "
         f"source with the task generator, and the directory the audit runs in)",
-        (f"empty mounts over {', '.join(hidden)} (mount namespace)" if hidden else
+        ("; ".join(closed_by) + " (mount namespace)" if closed_by else
          "none: no mount namespace on this machine" if not namespaces else "none: nothing is hidden"))
     return [network, git, secret, tests, source]
 

@@ -380,7 +380,7 @@ def test_exposure_report_closed_in_the_sandbox_and_open_without_it(channels, rea
     assert list(closed) == ["network", "git history", "secrets", "test files", "source tree"]
     assert not any(item.exposed for item in closed.values()), closed
     assert "readable from the sandbox: none" in closed["source tree"].finding
-    assert "empty mounts over" in closed["source tree"].mitigation
+    assert "empty mounts over" in closed["source tree"].mitigation or "private /tmp" in closed["source tree"].mitigation
     assert "1 commit(s)" in closed["git history"].finding and "reference fix absent" in closed["git history"].finding
     assert "canary absent" in closed["secrets"].finding
     assert "'tests: 1 passed, 0 failed'" in closed["test files"].finding  # the test tool ran the tampered file

@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -848,10 +849,20 @@ def test_default_hidden_paths_cover_the_source_tree_but_never_what_the_interpret
 
     box = Sandbox(LIMITS, require=("namespaces", "uid"))
     package = Path(keelrl.__file__).resolve().parent
-    assert any(package == Path(h) or Path(h) in package.parents for h in box.hidden), box.hidden
+    under_tmp = Path(tempfile.gettempdir()).resolve() in package.parents  # a checkout in /tmp: private there
+    assert under_tmp or any(package == Path(h) or Path(h) in package.parents for h in box.hidden), box.hidden
+    generator = package / "envs" / "coding_tasks.py"
+    seen = json.loads(_run(box, HIDDEN_READER, str(package), str(generator)).stdout)
+    assert seen[str(package)] in ([], "error: No such file or directory"), seen
+    assert str(seen[str(generator)]).startswith("error:"), seen
     interpreter = box.report.interpreter
     assert sandbox_module.hideable(["/", "/usr", "/usr/lib", "/tmp", os.path.dirname(interpreter),
                                     "/no/such/dir"], interpreter) == []
-    assert sandbox_module.hideable([package, package, package / "envs"], interpreter) == [str(package),
-                                                                                           str(package / "envs")]
+    outside = Path(os.path.expanduser("~")).resolve() / f".keel-test-hide-{uuid.uuid4().hex}"
+    (outside / "runs").mkdir(parents=True)
+    try:  # deduplicated, nested paths kept (each its own mount)
+        assert sandbox_module.hideable([outside, outside, outside / "runs"], interpreter) == [
+            str(outside), str(outside / "runs")]
+    finally:
+        shutil.rmtree(outside)
     assert _run(box, "import json, sys; print(sys.version_info[0])").stdout.strip() == "3"
