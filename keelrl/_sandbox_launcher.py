@@ -246,6 +246,9 @@ def main() -> None:
     os.set_inheritable(status_fd, False)
     try:
         workdir = _private_filesystem(plan) if plan["namespaces"] else plan["workdir"]
+        # This process stays alive beside the program: its working directory (the host's start
+        # directory, maybe hidden) must not be one the program could reach via /proc/1/cwd.
+        os.chdir("/")
     except OSError as error:
         os.write(status_fd, marshal.dumps({"setup_error": f"filesystem: {error}"}))
         os._exit(0)

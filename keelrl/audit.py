@@ -104,7 +104,7 @@ from keelrl.envs.base import Grade
 from keelrl.envs.coding import CodingEnv
 from keelrl.envs.tasks import Check, Task, shift_ints
 from keelrl.envs.teacher import edit_action
-from keelrl.sandbox import SECRET_NAME, default_hidden_paths
+from keelrl.sandbox import PRIVATE_DIRS, SECRET_NAME, default_hidden_paths
 from keelrl.verifiers import Verifier, grading_files, make_verifier, run_checks, run_grader
 
 FALSE_POSITIVE = "false_positive"
@@ -1182,16 +1182,19 @@ def check_exposure(env: CodingEnv, task: Task, results: Sequence[ProbeResult], p
         "the verifier restores the test file from the task before every grading")
     readable = view["source_readable"]
     hidden = tuple(getattr(env.verifier.sandbox, "hidden", ()))
-    temp = Path(tempfile.gettempdir()).resolve()
-    private = [path for path in source_paths() if temp in Path(path).parents]
+    private = [path for path in source_paths() if any(Path(d) in Path(path).parents for d in PRIVATE_DIRS)]
     closed_by = ([f"empty mounts over {', '.join(hidden)}"] if hidden else []) + \
-        ([f"{', '.join(private)} under the private /tmp"] if private and namespaces else [])
+        ([f"{', '.join(private)} under the run's private /tmp"] if private and namespaces else [])
+    left = [path for path in source_paths()
+            if path not in private and not any(path == h or Path(h) in Path(path).parents for h in hidden)]
+    if left:
+        closed_by.append(f"NOT hidden: {', '.join(left)}")
     source = Exposure(
         "source tree", bool(readable),
         f"readable from the sandbox: {', '.join(readable) or 'none'} (of {', '.join(source_paths())}: keelrl's "
         f"source with the task generator, and the directory the audit runs in)",
-        ("; ".join(closed_by) + " (mount namespace)" if closed_by else
-         "none: no mount namespace on this machine" if not namespaces else "none: nothing is hidden"))
+        ("none: no mount namespace on this machine" if not namespaces else
+         "; ".join(closed_by) + " (mount namespace)" if closed_by else "none: nothing is hidden"))
     return [network, git, secret, tests, source]
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -104,12 +105,17 @@ def _warm_tokenizer(out: Path) -> Any:
     return AutoTokenizer.from_pretrained(out / "warm" / "model")
 
 
+_USER_OVERRIDES: ContextVar[tuple[str, ...]] = ContextVar("keel_lab_user_overrides", default=())
+"""The overrides the user gave `run_lab`: they win over every setting a lab makes, its variants' too."""
+
+
 def _train_variants(out: Path, variants: dict[str, list[str]], overrides: Sequence[str],
                     progress: Callable[[str], None], trainers: dict[str, Any] | None = None
                     ) -> dict[str, list[dict[str, Any]]]:
     """Run each variant from the shared warm start; returns each variant's metrics rows.
 
-    Pass `trainers` to get each variant's trained `Trainer` back in it.
+    Pass `trainers` to get each variant's trained `Trainer` back in it. The user's overrides
+    (`run_lab`'s) are applied again after each variant's own settings, so they win there too.
     """
     from keelrl.monitor import read_metrics
     from keelrl.train.trainer import Trainer
@@ -119,12 +125,18 @@ def _train_variants(out: Path, variants: dict[str, list[str]], overrides: Sequen
     for label, extra in variants.items():
         progress(f"training variant {label!r}")
         run_dir = out / label
-        trainer = Trainer(_config(run_dir, [*overrides, f"model.path={model}", "warm_start.demos=0", *extra]))
+        trainer = Trainer(_config(run_dir, [*overrides, *extra, *_USER_OVERRIDES.get(),
+                                            f"model.path={model}", "warm_start.demos=0"]))
         trainer.run()
         runs[label] = read_metrics(run_dir)
         if trainers is not None:
             trainers[label] = trainer
     return runs
+
+
+def _steps_run(runs: dict[str, list[dict[str, Any]]]) -> int:
+    """RL steps the variants ran (what a summary reports, whatever the overrides set)."""
+    return max((int(row["step"]) for rows in runs.values() for row in rows), default=0)
 
 
 def _series(rows: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
@@ -312,6 +324,7 @@ def lab_dynamic_sampling(out: Path, overrides: Sequence[str], quick: bool,
               "rollout.dynamic_max_extra_groups=16"]
     variants = {"dapo": common, "dapo-no-dynamic": [*common, "algo.dynamic_sampling=false"]}
     runs = _train_variants(out, variants, overrides, progress)
+    steps = _steps_run(runs)
     chart = _plot_variants(out / "dynamic_sampling.png", runs,
                            [("train/zero_advantage_frac", "zero-advantage fraction (trained batch)"),
                             ("train/reward", "training reward")], "DAPO dynamic sampling")
@@ -346,6 +359,7 @@ def lab_entropy(out: Path, overrides: Sequence[str], quick: bool, progress: Call
     variants = {"no-bonus": [*common, "algo.entropy_coef=0"], "bonus-0.005": [*common, "algo.entropy_coef=0.005"],
                 "bonus-0.05": [*common, "algo.entropy_coef=0.05"]}
     runs = _train_variants(out, variants, overrides, progress)
+    steps = _steps_run(runs)
     chart = _plot_variants(out / "entropy.png", runs,
                            [("policy/entropy", "mean token entropy"),
                             ("train/distinct_patches", "distinct guess sequences per group"),
@@ -403,6 +417,7 @@ def lab_reward_hacking(out: Path, overrides: Sequence[str], quick: bool,
     common = ["algo.preset=grpo", f"train.steps={steps}", f"train.eval_every={every}", "monitor.window=2"]
     variants = {"weak": [*common, "env.verifier=weak"], "strong": [*common, "env.verifier=strong"]}
     runs = _train_variants(out, variants, overrides, progress)
+    steps = _steps_run(runs)
     marks = {label: [(e["step"], e["alarm"]) for e in _alarm_events(out / label) if e["alarm"] == "divergence"]
              for label in runs}
     chart = _plot_variants(out / "reward_hacking.png", runs,
@@ -446,7 +461,8 @@ def lab_reward_hacking(out: Path, overrides: Sequence[str], quick: bool,
         "a test run that passes when nothing fails. An episode that ends on an invalid guess (0, 17, a broken "
         "call) is \"solved\" without finding the number. "
         f"GRPO for {steps} steps from one warm start, the training reward given by `weak` or by `strong` (found "
-        f"the number); both are evaluated greedily by `strong` on held-out secrets every {every} steps, and the "
+        f"the number); both are evaluated greedily by `strong` on held-out secrets at steps "
+        f"{', '.join(str(step) for step, _ in _series(runs['weak'], 'eval/success'))}, and the "
         "divergence alarm compares the two.", "",
         _table(["training verifier", "train reward first", "train reward last", "held-out success before",
                 "held-out success after", "invalid turns, first step", "invalid turns, last step",
@@ -509,6 +525,7 @@ def lab_credit(out: Path, overrides: Sequence[str], quick: bool, progress: Calla
                                     *common]}
     trainers: dict[str, Any] = {}
     runs = _train_variants(out, variants, settings, progress, trainers)
+    steps = _steps_run(runs)
     chart = _plot_variants(out / "credit.png", runs, [("train/reward", "training success rate"),
                                                       ("eval/success", "held-out success (greedy)")],
                            "Credit assignment on the guessing game")
@@ -598,7 +615,11 @@ def run_lab(name: str, out: str | Path | None = None, overrides: Sequence[str] =
     settings = lab_settings(name, overrides, quick)
     _config(directory, settings)  # a bad override fails here, before any work
     started = time.monotonic()
-    result = function(directory, settings, quick, progress or (lambda message: None))
+    token = _USER_OVERRIDES.set(tuple(overrides))
+    try:
+        result = function(directory, settings, quick, progress or (lambda message: None))
+    finally:
+        _USER_OVERRIDES.reset(token)
     seconds = time.monotonic() - started
     result.numbers = {**result.numbers, "lab_seconds": round(seconds, 1)}
     result.summary += f"\n\nLab wall time: {seconds:.0f} s."

@@ -58,9 +58,12 @@ NOT guaranteed:
   policy finds (network, secrets, shared files, stray processes, runaway resources).
 - The code sees the read-only host filesystem (system Python and libraries) apart from the
   hidden paths. Answers kept on disk elsewhere stay readable: name them in `hidden_paths`.
-  Without namespaces nothing is hidden (the report says so). A hidden path that holds the
-  sandbox's interpreter, a system directory or /tmp is not hidden (it would break the run);
-  `Sandbox.hidden` lists what is. Git history beyond the base commit is the task builder's job.
+  That includes other copies of the source (pip or uv caches, a wheel, a git worktree whose
+  objects live in another checkout, another mount of the same filesystem). Without namespaces
+  nothing is hidden (the report says so). A path that is or holds a system directory
+  (`SYSTEM_DIRS`), the interpreter or its standard library is not hidden (it would break the
+  run), nor one inside the run's private mounts (already the run's own); `Sandbox.hidden`
+  lists what is. Git history beyond the base commit is the task builder's job.
 - The script's directory is not on ``sys.path`` (that is what keeps a planted ``json.py``
   out); a grader that imports a sibling module must add the directory itself.
 """
@@ -98,9 +101,10 @@ WORK_MOUNT = "/tmp/work"
 _NO_NAMESPACES = ("no network, PID, IPC or /tmp isolation: the code can reach the network and "
                   "the host's loopback, sees the host's processes and /tmp, and can read keelrl's "
                   "source tree (the task generator) and the run directory")
-SYSTEM_DIRS = ("/usr", "/lib", "/lib64", "/bin", "/sbin", "/etc", "/dev", "/proc", "/sys", "/run", "/tmp",
-               "/var/tmp", "/dev/shm")
-"""Never hidden, nor any directory holding them: the sandboxed interpreter needs them."""
+SYSTEM_DIRS = ("/", "/usr", "/usr/local", "/lib", "/lib64", "/bin", "/sbin", "/etc", "/var", "/home", "/root")
+"""Never hidden themselves (nor any directory holding one): too much lives there."""
+PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/proc", "/sys", "/dev")
+"""Replaced by the run's own mounts under namespaces: nothing inside them needs hiding."""
 
 
 def default_hidden_paths() -> list[Path]:
@@ -110,16 +114,35 @@ def default_hidden_paths() -> list[Path]:
     return [root, Path.cwd().resolve()]
 
 
+def _interpreter_paths(interpreter: str) -> list[Path]:
+    """Every path the sandbox's interpreter is reached through (each symlink hop, the real file)
+    and its standard library: a mount over any of them, or over a directory holding one, would
+    keep the program from starting."""
+    paths, hop = [], Path(os.path.abspath(interpreter))
+    for _ in range(40):
+        paths.append(hop)
+        if not hop.is_symlink():
+            break
+        hop = Path(os.path.abspath(hop.parent / os.readlink(hop)))
+    real = Path(os.path.realpath(interpreter))
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    stdlib = [real.parent.parent / "lib" / version, Path(sys.base_prefix) / "lib" / version]
+    return [*paths, real, *stdlib]
+
+
 def hideable(paths: Sequence[str | Path], interpreter: str) -> list[str]:
     """The paths that can be covered without breaking the run, deduplicated: not a system
-    directory (`SYSTEM_DIRS`), nothing inside one, and nothing holding one or the interpreter."""
-    system = {Path(os.path.realpath(d)) for d in (*SYSTEM_DIRS, tempfile.gettempdir())}
-    needed = {*system, Path(os.path.realpath(interpreter)), Path(WORK_MOUNT)}
+    directory (`SYSTEM_DIRS`) or anything holding one, nothing holding the interpreter or its
+    standard library, and nothing inside the run's private mounts (`PRIVATE_DIRS`, already
+    the run's own)."""
+    needed = {Path(os.path.realpath(d)) for d in SYSTEM_DIRS} | {Path(d) for d in SYSTEM_DIRS}
+    needed |= {Path(WORK_MOUNT), *_interpreter_paths(interpreter)}
+    private = {Path(d) for d in PRIVATE_DIRS}
     chosen: list[str] = []
     for raw in paths:
         path = Path(os.path.realpath(raw))
         if (not path.exists() or any(path == k or path in k.parents for k in needed)
-                or any(s in path.parents for s in system)):
+                or any(path == p or p in path.parents for p in private)):
             continue
         if str(path) not in chosen:
             chosen.append(str(path))
@@ -275,6 +298,20 @@ def _probe(interpreter: str, namespaces: bool, drop: bool) -> tuple[bool, str]:
     return False, f"probe {result.verdict()}"
 
 
+@functools.lru_cache(maxsize=64)
+def _check_hiding(interpreter: str, hidden: tuple[str, ...]) -> None:
+    """Run a tiny program once with these paths hidden; fail here, naming them, if it cannot start."""
+    try:
+        result = _execute({"probe.py": "print('ok')\n"}, ["probe.py"], SandboxLimits(wall_time_s=10),
+                          interpreter=interpreter, namespaces=True, drop=False, stdin=None, hide=hidden)
+    except SandboxError as error:
+        raise SandboxError(f"hiding {', '.join(hidden)} keeps the sandbox from running "
+                           f"{interpreter}: {error}; pass hidden_paths without them") from error
+    if not (result.ok and result.stdout.strip() == "ok"):
+        raise SandboxError(f"hiding {', '.join(hidden)} keeps the sandbox from running {interpreter}: "
+                           f"{result.verdict()}; pass hidden_paths without them")
+
+
 class Sandbox:
     """Runs Python programs under the strongest isolation this machine allows.
 
@@ -303,6 +340,8 @@ class Sandbox:
         wanted = default_hidden_paths() if hidden_paths is None else list(hidden_paths)
         self.hidden: tuple[str, ...] = tuple(hideable(wanted, report.interpreter)) if report.namespaces else ()
         """Host paths the code sees as empty (only with namespaces)."""
+        if self.hidden:
+            _check_hiding(report.interpreter, self.hidden)
 
     def run(self, files: Mapping[str, str | bytes], argv: Sequence[str], *,
             stdin: bytes | None = None, limits: SandboxLimits | None = None) -> SandboxResult:

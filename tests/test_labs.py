@@ -37,6 +37,33 @@ def test_user_overrides_win_over_every_lab_default(tmp_path):
     assert load_config(overrides=lab_settings("reward-hacking", quick=True)).env.max_turns == 5
 
 
+def test_user_overrides_win_over_each_variants_own_settings(tmp_path, monkeypatch):
+    import keelrl.labs as labs
+    import keelrl.train.trainer as trainer_module
+
+    seen = {}
+
+    class Recorder:
+        def __init__(self, cfg):
+            seen[cfg.run_dir] = cfg
+
+        def run(self):
+            return {}
+
+    monkeypatch.setattr(labs, "_warm_model", lambda out, overrides: tmp_path / "warm")
+    monkeypatch.setattr(trainer_module, "Trainer", Recorder)
+
+    def lab(out, settings, quick, progress):  # a lab whose variant pins train.steps and the verifier
+        labs._train_variants(out, {"v": ["train.steps=20", "env.verifier=weak"]}, settings, progress)
+        return labs.LabResult("fake", {}, "")
+
+    monkeypatch.setitem(labs.LABS, "fake", ("a fake lab", lab, labs.GUESS))
+    labs.run_lab("fake", tmp_path, ["train.steps=3"])
+    [cfg] = seen.values()
+    assert cfg.train.steps == 3 and cfg.env.verifier == "weak" and cfg.warm_start.demos == 0
+    assert cfg.model.path == str(tmp_path / "warm")
+
+
 def test_stale_ratios_lab_measures_weights_on_real_rollouts(tmp_path):
     result = run_lab("stale-ratios", tmp_path, quick=True)
     numbers = json.loads((tmp_path / "results.json").read_text())

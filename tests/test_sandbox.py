@@ -827,7 +827,7 @@ def test_keelrl_source_run_dir_and_task_file_are_hidden_from_the_code() -> None:
         seen = json.loads(_run(box, HIDDEN_READER, *paths).stdout)
         open_box = Sandbox(LIMITS, require=("namespaces", "uid"), hidden_paths=[])
         opened = json.loads(_run(open_box, HIDDEN_READER, *paths).stdout)
-        if sandbox_module.hideable([source.parent], box.report.interpreter):
+        if not any(Path(d) in source.parents for d in sandbox_module.PRIVATE_DIRS):
             assert set(box.hidden) == {str(source), str(run_dir), str(task_file)}
             assert seen[str(source)] == [] and seen[str(run_dir)] == []  # empty mounts
             assert seen[str(generator)].startswith("error:") and seen[str(run_dir / "answers.jsonl")].startswith("error:")
@@ -836,7 +836,7 @@ def test_keelrl_source_run_dir_and_task_file_are_hidden_from_the_code() -> None:
             assert "envs" in opened[str(source)] and "retry_count" in opened[str(generator)]
             assert opened[str(run_dir / "answers.jsonl")] == "the answer is 42\n"
             assert opened[str(task_file)] == '{"id": "t1"}\n'
-        else:  # a checkout under /tmp: the run's private /tmp already shows none of it
+        else:  # a checkout under /tmp: the run's private /tmp already shows none of it, nothing is mounted
             assert box.hidden == ()
             assert all(str(value).startswith("error: No such file") for value in [*seen.values(), *opened.values()])
     finally:
@@ -856,8 +856,23 @@ def test_default_hidden_paths_cover_the_source_tree_but_never_what_the_interpret
     assert seen[str(package)] in ([], "error: No such file or directory"), seen
     assert str(seen[str(generator)]).startswith("error:"), seen
     interpreter = box.report.interpreter
-    assert sandbox_module.hideable(["/", "/usr", "/usr/lib", "/tmp", os.path.dirname(interpreter),
+    assert sandbox_module.hideable(["/", "/usr", "/usr/lib", "/tmp", "/tmp/x", "/proc/self", os.path.dirname(interpreter),
                                     "/no/such/dir"], interpreter) == []
+    # A venv whose python links to the system interpreter: the venv itself (the path the run
+    # starts) may not be hidden, nor anything holding it; a sibling may.
+    project = Path(os.path.expanduser("~")).resolve() / f".keel-test-venv-{uuid.uuid4().hex}"
+    (project / ".venv" / "bin").mkdir(parents=True)
+    (project / "runs").mkdir()
+    try:
+        venv_python = project / ".venv" / "bin" / "python"
+        venv_python.symlink_to(os.path.realpath(interpreter))
+        assert sandbox_module.hideable([project, project / ".venv", project / "runs"], str(venv_python)) == [
+            str(project / "runs")]
+        # Hiding what the interpreter needs fails when the sandbox is made, naming the paths.
+        with pytest.raises(sandbox_module.SandboxError, match="keeps the sandbox from running"):
+            sandbox_module._check_hiding(str(venv_python), (str(project),))
+    finally:
+        shutil.rmtree(project)
     outside = Path(os.path.expanduser("~")).resolve() / f".keel-test-hide-{uuid.uuid4().hex}"
     (outside / "runs").mkdir(parents=True)
     try:  # deduplicated, nested paths kept (each its own mount)

@@ -509,6 +509,8 @@ class Trainer:
             self.progress("eval", {"step": 0, **before})
         total = self.cfg.train.steps
         engine = self.make_engine()
+        if stop_after is not None:
+            engine.last_step = min(self.cfg.train.steps, stop_after)
         try:
             if engine.name != "sync":
                 self.publish(engine, self.step)
