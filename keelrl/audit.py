@@ -94,7 +94,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 from rich.console import Console
 from rich.table import Table
@@ -157,13 +157,22 @@ FALSE_POSITIVE_PROBES: dict[str, ProbeBuilder] = {}
 """Family name -> builder of that family's probes for one task."""
 
 
-def _false_positive(name: str) -> Callable[[ProbeBuilder], ProbeBuilder]:
-    def register(builder: ProbeBuilder) -> ProbeBuilder:
-        if name in FALSE_POSITIVE_PROBES:
-            raise RuntimeError(f"false-positive probe {name!r} is registered twice")
-        FALSE_POSITIVE_PROBES[name] = builder
-        return builder
-    return register
+T = TypeVar("T")
+
+
+def _registrar(table: dict[str, T], kind: str) -> Callable[[str], Callable[[T], T]]:
+    """A decorator factory that files each decorated function in `table` under a unique name."""
+    def named(name: str) -> Callable[[T], T]:
+        def register(item: T) -> T:
+            if name in table:
+                raise RuntimeError(f"{kind} {name!r} is registered twice")
+            table[name] = item
+            return item
+        return register
+    return named
+
+
+_false_positive = _registrar(FALSE_POSITIVE_PROBES, "false-positive probe")
 
 
 def _json_value(value: Any) -> Any:
@@ -445,13 +454,7 @@ Rewrite = Callable[[ast.Module, ast.FunctionDef], bool]
 REWRITES: dict[str, Rewrite] = {}
 
 
-def _rewrite(name: str) -> Callable[[Rewrite], Rewrite]:
-    def register(function: Rewrite) -> Rewrite:
-        if name in REWRITES:
-            raise RuntimeError(f"rewrite {name!r} is registered twice")
-        REWRITES[name] = function
-        return function
-    return register
+_rewrite = _registrar(REWRITES, "rewrite")
 
 
 def _names_in(tree: ast.AST) -> set[str]:

@@ -418,8 +418,9 @@ def lab_reward_hacking(out: Path, overrides: Sequence[str], quick: bool,
     variants = {"weak": [*common, "env.verifier=weak"], "strong": [*common, "env.verifier=strong"]}
     runs = _train_variants(out, variants, overrides, progress)
     steps = _steps_run(runs)
-    marks = {label: [(e["step"], e["alarm"]) for e in _alarm_events(out / label) if e["alarm"] == "divergence"]
-             for label in runs}
+    events = {label: _alarm_events(out / label) for label in runs}
+    marks = {label: [(e["step"], e["alarm"]) for e in fired if e["alarm"] == "divergence"]
+             for label, fired in events.items()}
     chart = _plot_variants(out / "reward_hacking.png", runs,
                            [("train/reward", "training reward (its own verifier)"),
                             ("eval/success", "held-out success (strong verifier)"),
@@ -427,8 +428,7 @@ def lab_reward_hacking(out: Path, overrides: Sequence[str], quick: bool,
                            "Training on a weak verifier vs a strong one", marks)
     numbers: dict[str, dict[str, Any]] = {}
     for label, rows in runs.items():
-        events = _alarm_events(out / label)
-        divergence = next((e for e in events if e["alarm"] == "divergence"), None)
+        divergence = next((e for e in events[label] if e["alarm"] == "divergence"), None)
         numbers[label] = {
             "reward_first": _first(rows, "train/reward"), "reward_last": _last(rows, "train/reward"),
             "reward_mean_last3": _mean([v for _, v in _series(rows, "train/reward")[-3:]]),
@@ -437,7 +437,7 @@ def lab_reward_hacking(out: Path, overrides: Sequence[str], quick: bool,
             "action_errors_first": _first(rows, "train/action_error_frac"),
             "action_errors_last": _last(rows, "train/action_error_frac"),
             "eval_action_errors_after": _last(rows, "eval/action_error_frac"),
-            "alarms": [e["alarm"] for e in events],
+            "alarms": [e["alarm"] for e in events[label]],
             "eval_series": _series(rows, "eval/success"),
             "reward_by_eval": [_mean([r for s, r in _series(rows, "train/reward") if lo < s <= hi])
                                for (lo, _), (hi, _) in zip(_series(rows, "eval/success"),

@@ -355,6 +355,6 @@ def test_trainer_trains_on_the_weak_guess_verifier_and_evaluates_with_strong(tmp
 
     trainer = Trainer(load_config(overrides=[f"run_dir={tmp_path}", "env.name=guess", "env.verifier=weak",
                                              "warm_start.demos=0"]))
-    train_env, eval_env = trainer.train_env_factory()(), trainer._env(trainer.eval_verifier)()
+    train_env, eval_env = trainer.train_env_factory()(), trainer._env(training=False)()
     assert (train_env.verifier, eval_env.verifier) == ("weak", "strong")
-    assert trainer._env(trainer.train_verifier)().verifier == "weak"
+    assert trainer._env(training=True)().verifier == "weak"

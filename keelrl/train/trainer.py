@@ -72,6 +72,11 @@ def load_task_splits(cfg: KeelConfig) -> tuple[list[Any], list[Any]]:
     return train, heldout
 
 
+def action_error_frac(trajectories: Sequence[Trajectory]) -> float:
+    """Share of turns whose action the environment rejected."""
+    return sum(t.action_errors for t in trajectories) / max(1, sum(len(t.actions) for t in trajectories))
+
+
 EXTRA_INDEX_BASE = 1 << 40
 """Request indices of dynamic sampling's extra groups start here (apart from the step stream)."""
 
@@ -165,10 +170,11 @@ class Trainer:
     def _optimizer(self, lr: float) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self._parameters(), lr=lr, weight_decay=self.cfg.train.weight_decay)
 
-    def _env(self, verifier: Any) -> Callable[[], Any]:
+    def _env(self, training: bool) -> Callable[[], Any]:
+        """Environments graded by the training verifier, or by `strong` for the held-out eval."""
         if self.cfg.env.name == "guess":
-            name = self.cfg.env.verifier if verifier is self.train_verifier else "strong"
-            return GuessEnvFactory(self.cfg.env.max_turns, name)
+            return GuessEnvFactory(self.cfg.env.max_turns, self.cfg.env.verifier if training else "strong")
+        verifier = self.train_verifier if training else self.eval_verifier
         return lambda: CodingEnv(verifier, sandbox=self.sandbox, max_turns=self.cfg.env.max_turns,
                                  show_tools=self.cfg.env.show_tools)
 
@@ -226,8 +232,9 @@ class Trainer:
         filled = fill_batch(groups, draw, target=len(groups), max_extra=self.cfg.rollout.dynamic_max_extra_groups)
         return StepRollouts([t for group in filled.groups for t in group], {**rollouts.metrics, **filled.metrics})
 
-    def make_engine(self) -> RolloutEngine:
-        """The configured rollout engine over this trainer's policy and training environment."""
+    def make_engine(self, last_step: int | None = None) -> RolloutEngine:
+        """The configured rollout engine over this trainer's policy and training environment; it
+        sends no requests ahead past `last_step` (default: train.steps)."""
         r = self.cfg.rollout
         sampling = SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
         make_env = self.train_env_factory()
@@ -243,7 +250,7 @@ class Trainer:
             engine = LocalEngine(self.requests_for, model=self.model, tokenizer=self.tokenizer, make_env=make_env,
                                  sampling=sampling, rollout=self._rollout_cfg(r.group_size),
                                  asynchronous=r.engine == "async", max_staleness=r.max_staleness)
-        engine.last_step = self.cfg.train.steps  # no episodes sampled for steps the run never takes
+        engine.last_step = self.cfg.train.steps if last_step is None else last_step
         return engine
 
     def publish(self, engine: RolloutEngine, version: int) -> None:
@@ -264,7 +271,7 @@ class Trainer:
         tasks = [self.train_tasks[i % len(self.train_tasks)] for i in range(ws.demos)]
         rng.shuffle(tasks)
         policies = [teacher.policy(task) for task in tasks]
-        demos = run_episodes(self._env(self.train_verifier), tasks, self.tokenizer,
+        demos = run_episodes(self._env(training=True), tasks, self.tokenizer,
                              scripted_actor(self.tokenizer, policies), self._rollout_cfg(1))
         demos = [d for d in demos if d.success]
         if not demos:
@@ -296,13 +303,12 @@ class Trainer:
         sampling = SamplingConfig(temperature=self.cfg.train.eval_temperature, top_p=1.0,
                                   max_new_tokens=self.cfg.rollout.max_new_tokens)
         self.model.eval()
-        trajectories = run_episodes(self._env(self.eval_verifier), tasks, self.tokenizer,
+        trajectories = run_episodes(self._env(training=False), tasks, self.tokenizer,
                                     model_actor(self.model, self.tokenizer, sampling),
                                     self._rollout_cfg(1), seed=self.cfg.seed + 7919)
         return {"eval/success": sum(t.success for t in trajectories) / len(trajectories),
                 "eval/partial": sum(t.partial for t in trajectories) / len(trajectories),
-                "eval/action_error_frac": (sum(t.action_errors for t in trajectories)
-                                           / max(1, sum(len(t.actions) for t in trajectories))),
+                "eval/action_error_frac": action_error_frac(trajectories),
                 "eval/tasks": len(trajectories)}
 
     # ----------------------------------------------------------------- RL
@@ -408,8 +414,7 @@ class Trainer:
             "train/episode_tokens": tokens / len(trajectories),
             "train/action_tokens": sum(t.num_action_tokens for t in trajectories) / len(trajectories),
             "train/turns": sum(len(t.actions) for t in trajectories) / len(trajectories),
-            "train/action_error_frac": (sum(t.action_errors for t in trajectories)
-                                        / max(1, sum(len(t.actions) for t in trajectories))),
+            "train/action_error_frac": action_error_frac(trajectories),
             "train/distinct_patches": distinct_patches(self._groups(trajectories), self._answer_tools),
             "train/updates": updates, "train/skipped_updates": skipped, "train/lr": lr,
             "time/step_s": seconds, "time/learn_s": learn_seconds,
@@ -508,9 +513,7 @@ class Trainer:
             monitor.update(0, before)
             self.progress("eval", {"step": 0, **before})
         total = self.cfg.train.steps
-        engine = self.make_engine()
-        if stop_after is not None:
-            engine.last_step = min(self.cfg.train.steps, stop_after)
+        engine = self.make_engine(last_step=total if stop_after is None else min(total, stop_after))
         try:
             if engine.name != "sync":
                 self.publish(engine, self.step)
