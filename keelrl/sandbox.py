@@ -36,6 +36,12 @@ whatever the machine allows:
   next to it), sitecustomize and usercustomize are all ignored.
 - ``wall`` (always): a wall-clock timeout kills the whole process group (and namespace).
 
+`Sandbox.run` returns only once every process the run started is gone: under namespaces it
+waits (by a pidfd) for the PID namespace's init, which the kernel lets exit only after every
+process in the namespace has been killed and reaped; without namespaces but with the uid drop
+it kills the run's uid until no live process of it remains. Survivors past
+`CONTAINMENT_WAIT_S` raise `SandboxError`, never a silent return.
+
 `SandboxResult.isolation` names the mechanisms that were in force for that run, and
 `isolation_report()` says what the machine supports and what is missing. A failure of the
 sandbox itself (it could not start the program) raises `SandboxError`; it is never reported
@@ -205,6 +211,8 @@ class SandboxResult:
     result_data: str = ""
     """What the program wrote to its result channel (file descriptor `KEEL_RESULT_FD`)."""
     output_truncated: bool = False
+    run_uid: int | None = None
+    """The uid the program ran as (with the uid drop); no live process has it once `run` returns."""
 
     @property
     def ok(self) -> bool:
@@ -433,9 +441,12 @@ def _execute(files: Mapping[str, str | bytes], argv: Sequence[str], limits: Sand
                 stdout=out, stderr=err, pass_fds=(res, stat), start_new_session=True,
                 env={"KEEL_RESULT_FD": str(res), "PATH": SAFE_ENV["PATH"]}, close_fds=True)
             timed_out = not _wait_for_exit(proc, limits.wall_time_s)
+            # Still running: hold the namespace's init (the launcher) by a pidfd before the kill,
+            # so that we can wait for it; it exits only once every process of the namespace is
+            # gone. (If unshare exited by itself, its init and namespace were already gone.)
+            inits = _namespace_inits(proc) if namespaces and timed_out else []
             _kill_tree(proc)
-            if run_uid is not None and not namespaces:
-                _kill_uid(run_uid, interpreter)
+            _wait_until_gone(inits, run_uid if not namespaces else None, interpreter)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -449,7 +460,8 @@ def _execute(files: Mapping[str, str | bytes], argv: Sequence[str], limits: Sand
     status = _status(code, timed_out, stderr, output_full)
     return SandboxResult(status=status, exit_code=None if timed_out else code, stdout=stdout, stderr=stderr,
                          timed_out=timed_out, memory_exceeded=status == "memory", duration_s=duration,
-                         isolation=isolation, result_data=result_data, output_truncated=out_cut or err_cut)
+                         isolation=isolation, result_data=result_data, output_truncated=out_cut or err_cut,
+                         run_uid=run_uid)
 
 
 def _wait_for_exit(proc: subprocess.Popen, timeout_s: float) -> bool:
@@ -513,6 +525,97 @@ def _kill_tree(proc: subprocess.Popen) -> None:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:  # pragma: no cover - the kernel did not reap it in time
         pass
+
+
+CONTAINMENT_WAIT_S = 10.0
+"""How long `Sandbox.run` waits, after the kill, for the run's last process to be gone."""
+
+
+def _namespace_inits(proc: subprocess.Popen) -> list[int]:
+    """pidfds of unshare's children: the init of the run's PID namespace (the launcher).
+
+    unshare is alive and not reaped here, so its child cannot have been reaped and its pid
+    reused by another process between reading the list and opening the pidfd.
+    """
+    try:
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    except OSError:  # pragma: no cover - kernels without CONFIG_PROC_CHILDREN
+        children = [line.split()[0] for line in _proc_status_lines("PPid") if line.split()[1] == str(proc.pid)]
+    fds = []
+    for child in children:
+        try:
+            fds.append(os.pidfd_open(int(child)))
+        except (AttributeError, OSError):
+            continue  # already exited and reaped by unshare: its namespace is gone with it
+    return fds
+
+
+def _proc_status_lines(key: str) -> list[str]:
+    """'<pid> <value>' for every process's /proc/<pid>/status line `key`."""
+    lines = []
+    with os.scandir("/proc") as entries:
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/status", "rb") as handle:
+                    text = handle.read().decode(errors="replace")
+            except OSError:
+                continue
+            for line in text.splitlines():
+                if line.startswith(f"{key}:"):
+                    lines.append(f"{entry.name} {line.split(':', 1)[1].strip()}")
+                    break
+    return lines
+
+
+def _live_processes_of_uid(uid: int) -> list[int]:
+    """Host pids whose real uid is `uid` and that are not zombies (a zombie holds nothing)."""
+    pids = []
+    for line in _proc_status_lines("Uid"):
+        pid, real_uid = line.split()[:2]
+        if int(real_uid) != uid:
+            continue
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in ("Z", "X"):
+            pids.append(int(pid))
+    return pids
+
+
+def _wait_until_gone(inits: list[int], uid: int | None, interpreter: str) -> None:
+    """Return once the run's every process is gone, or raise `SandboxError` naming survivors.
+
+    Under namespaces: the PID namespace's init exits only after the kernel has killed and
+    reaped every process in the namespace (setsid daemons and fork bombs too), so its pidfd
+    turning readable means the run is empty. Without namespaces but with the uid drop: every
+    process of the run's uid is killed again and again until none is left alive.
+    """
+    deadline = time.monotonic() + CONTAINMENT_WAIT_S
+    try:
+        for fd in inits:
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            left = deadline - time.monotonic()
+            if left <= 0 or not poller.poll(max(1, int(left * 1000))):
+                raise SandboxError(f"the run's PID namespace was still alive {CONTAINMENT_WAIT_S:.0f} s "
+                                   "after it was killed")
+    finally:
+        for fd in inits:
+            os.close(fd)
+    if uid is None:
+        return
+    while True:
+        _kill_uid(uid, interpreter)
+        survivors = _live_processes_of_uid(uid)
+        if not survivors:
+            return
+        if time.monotonic() > deadline:
+            raise SandboxError(f"processes {survivors} of the run's uid {uid} were still alive "
+                               f"{CONTAINMENT_WAIT_S:.0f} s after the run was killed")
+        time.sleep(0.002)
 
 
 def _kill_uid(uid: int, interpreter: str) -> None:

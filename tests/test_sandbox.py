@@ -96,8 +96,23 @@ def _host_processes_with(marker: str, *, sandbox_uid_only: bool = False) -> list
 
 
 @pytest.fixture(autouse=True)
-def host_unharmed(sandbox: Sandbox):
+def host_unharmed(sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch):
+    survivors: list[str] = []
+    execute = sandbox_module._execute
+
+    def checked(*args: object, **kwargs: object) -> SandboxResult:
+        # The moment `run` returns, not a single process of that run may be alive: checked
+        # for every run of every test (attacks, concurrent runs, probes), then asserted below.
+        result = execute(*args, **kwargs)  # type: ignore[arg-type]
+        if result.run_uid is not None:
+            left = sandbox_module._live_processes_of_uid(result.run_uid)
+            if left:
+                survivors.append(f"uid {result.run_uid}: pids {left} ({result.status})")
+        return result
+
+    monkeypatch.setattr(sandbox_module, "_execute", checked)
     yield
+    assert survivors == []
     assert _stray_sandbox_processes() == []
     canary = _run(sandbox, "print('alive')")
     assert canary.status == "ok" and canary.stdout == "alive\n", canary.verdict()
@@ -438,6 +453,80 @@ def test_daemon_does_not_outlive_the_run(sandbox: Sandbox) -> None:
     assert int(result.stdout) > 0  # the daemon really ran
     assert result.duration_s < 2.0
     assert _host_processes_with(marker) == []
+
+
+def test_a_daemon_of_a_run_killed_at_the_wall_clock_is_gone_when_run_returns(sandbox: Sandbox) -> None:
+    marker = f"daemon-{uuid.uuid4().hex}"
+    program = _daemon_program("/tmp/heartbeat") + "time.sleep(60)\n"
+    result = _run(sandbox, program, marker, limits=SandboxLimits(wall_time_s=1, cpu_time_s=2))
+    _assert_contained(result, "timeout", 3.0, "wall-clock")
+    assert _host_processes_with(marker) == []
+    assert sandbox_module._live_processes_of_uid(result.run_uid) == []
+
+
+def test_children_that_ignore_sigterm_are_gone_when_run_returns(sandbox: Sandbox) -> None:
+    marker = f"stubborn-{uuid.uuid4().hex}"
+    program = """
+import os, signal, sys, time
+for _ in range(4):
+    if os.fork() == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        os.setsid()
+        while True:
+            time.sleep(0.01)
+print("started", flush=True)
+time.sleep(60)
+"""
+    result = _run(sandbox, program, marker, limits=SandboxLimits(wall_time_s=1, cpu_time_s=2))
+    _assert_contained(result, "timeout", 3.0, "wall-clock")
+    assert result.stdout == "started\n"
+    assert _host_processes_with(marker) == []
+    assert sandbox_module._live_processes_of_uid(result.run_uid) == []
+
+
+ATTACKS = {
+    "fork bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
+    "setsid daemons": _daemon_program("/tmp/heartbeat") + "time.sleep(60)\n",
+    "sigterm-proof children": "import os, signal, time\nfor _ in range(6):\n    if os.fork() == 0:\n"
+                              "        signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                              "        while True:\n            pass\ntime.sleep(60)\n",
+}
+
+
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_no_process_outlives_an_attack_under_cpu_load_while_other_runs_proceed(sandbox: Sandbox,
+                                                                                 attack: str) -> None:
+    """Under two CPU hogs (the load that once let fork-bomb children outlive `run`), each
+    attack three times beside a stream of ordinary runs: nothing of the attack is alive when
+    its `run` returns, and every ordinary run succeeds."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    stop = threading.Event()
+    ordinary: list[SandboxResult] = []
+
+    def stream() -> None:
+        while not stop.is_set():
+            ordinary.append(_run(sandbox, "import os\nif os.fork() == 0:\n    os._exit(0)\nos.wait()\nprint('ok')"))
+
+    streamer = threading.Thread(target=stream)
+    streamer.start()
+    try:
+        for _ in range(3):
+            marker = f"attack-{uuid.uuid4().hex}"
+            result = _run(sandbox, ATTACKS[attack], marker,
+                          limits=SandboxLimits(wall_time_s=1, cpu_time_s=2, memory_mb=128, max_processes=16))
+            assert result.status == "timeout", result.verdict()
+            assert sandbox_module._live_processes_of_uid(result.run_uid) == []
+            assert _host_processes_with(marker) == []
+    finally:
+        stop.set()
+        streamer.join()
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    assert ordinary and all(r.status == "ok" and r.stdout == "ok\n" for r in ordinary), \
+        [r.verdict() for r in ordinary if not r.ok]
 
 
 def test_killing_the_parent_init_and_host_pids_harms_no_one(sandbox: Sandbox) -> None:
