@@ -8,10 +8,12 @@ import torch
 from keelrl.envs.coding import CodingEnv
 from keelrl.envs.teacher import ScriptedTeacher
 from keelrl.policy.model import ValueHead, load_policy, token_logprobs
-from keelrl.policy.sampling import SamplingConfig, sample
+from keelrl.policy.chat import ChatFormat, ChatTemplateError
+from keelrl.policy.sampling import SamplingConfig, end_token_ids, sample
 from keelrl.policy.tiny import TinyModelSpec, build_tiny_tokenizer, save_tiny_default
 from keelrl.rollout.agent_loop import RolloutConfig, model_actor, run_episodes, scripted_actor
-from keelrl.rollout.trajectory import collate
+from keelrl.rollout.scheduler import observation_tokens, prompt_tokens
+from keelrl.rollout.trajectory import Trajectory, collate
 from task_fixtures import retry_task
 
 SMALL = TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, max_positions=2048)
@@ -77,7 +79,6 @@ def test_behaviour_logprobs_are_those_of_the_distribution_sampled_from(tiny, tem
     for context, drawn in zip(contexts, samples):
         sequence = torch.tensor([context + drawn.token_ids])
         logits = model(input_ids=sequence).logits[0, len(context) - 1:-1].float() / temperature
-        logits[:, tokenizer.pad_token_id] = float("-inf")  # the pad token is never sampled
         if top_p < 1.0:  # nucleus: keep the smallest prefix of sorted tokens reaching top_p
             sorted_logits, order = logits.sort(-1, descending=True)
             cumulative = sorted_logits.softmax(-1).cumsum(-1)
@@ -85,7 +86,122 @@ def test_behaviour_logprobs_are_those_of_the_distribution_sampled_from(tiny, tem
             logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
         expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(drawn.token_ids)[:, None]).squeeze(-1)
         torch.testing.assert_close(torch.tensor(drawn.logprobs), expected, rtol=1e-4, atol=1e-4)
-        assert tokenizer.pad_token_id not in drawn.token_ids
+
+
+@pytest.fixture(scope="module")
+def tiny_pad_is_eos(tmp_path_factory):
+    """The tiny model with its tokenizer's pad token set to its end-of-turn token, as SmolLM2's is."""
+    path = save_tiny_default(tmp_path_factory.mktemp("tiny-pad-eos"), SMALL)
+    model, tokenizer = load_policy(str(path), "cpu")
+    tokenizer.pad_token = "<|end|>"
+    return model, tokenizer
+
+
+def test_fresh_ratios_are_one_and_the_end_token_is_kept_when_pad_is_the_end_token(tiny_pad_is_eos):
+    model, tokenizer = tiny_pad_is_eos
+    end = tokenizer.pad_token_id
+    assert end in end_token_ids(tokenizer)
+    contexts = [prompt_tokens(tokenizer, f"request {i}" * (i + 1)) for i in range(8)]
+    ended = []
+    for seed in range(20):  # until some row ends on the end token (a few % per token here)
+        samples = sample(model, tokenizer, contexts, SamplingConfig(1.0, 1.0, max_new_tokens=48, stop=()),
+                         generator_seed=seed)
+        ended = [(c, s) for c, s in zip(contexts, samples) if s.token_ids and s.token_ids[-1] == end]
+        if ended:
+            break
+    assert ended, "no sample ended on the end token in 20 seeds"
+    for context, drawn in zip(contexts, samples):
+        # A row is cut after its first end token and holds no other: nothing after it, no padding.
+        assert end not in drawn.token_ids[:-1]
+        assert (drawn.stopped == "stop") == (bool(drawn.token_ids) and drawn.token_ids[-1] == end)
+    trajectories = [Trajectory(task_id="t", group_id=0) for _ in samples]
+    for trajectory, context, drawn in zip(trajectories, contexts, samples):
+        trajectory.extend(context, action=False, turn=0)
+        trajectory.extend(drawn.token_ids, action=True, turn=0, logprobs=drawn.logprobs)
+    batch = collate(trajectories, end)  # right-padded with the end token: the mask tells them apart
+    logp = token_logprobs(model, batch.input_ids, batch.attention_mask)["logp"]
+    ratio = torch.exp(logp - batch.behaviour_logprobs)[batch.action_mask]
+    torch.testing.assert_close(ratio, torch.ones_like(ratio), rtol=0, atol=2e-5)
+    for context, drawn in ended:  # the end token is an action token the learner trains on
+        assert drawn.token_ids[-1] == end and len(drawn.logprobs) == len(drawn.token_ids)
+
+
+def test_chat_format_is_read_from_the_template(tiny):
+    _, tokenizer = tiny
+    chat = ChatFormat.of(tokenizer)
+    assert (chat.observation_open, chat.observation_close, chat.turn_end) == \
+        ("<|end|><|tool|>", "<|end|><|assistant|>", "<|end|>")
+    assert chat.observation_role == "tool"
+    end = tokenizer.convert_tokens_to_ids("<|end|>")
+    assert end in chat.end_token_ids and tokenizer.eos_token_id in chat.end_token_ids
+    text = tokenizer.decode(observation_tokens(tokenizer, "OBS"))
+    assert text == "<|end|><|tool|>OBS<|end|><|assistant|>"
+    # after an action that already ended its turn, the end token is not repeated
+    assert tokenizer.decode(observation_tokens(tokenizer, "OBS", [65, end])) == "<|tool|>OBS<|end|><|assistant|>"
+
+
+def _chatml_tokenizer():
+    """The tiny byte tokenizer with a ChatML template (SmolLM2's layout) and <|im_end|> as eos and pad."""
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = (
+        "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+        "<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
+        "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tokenizer.eos_token = "<|im_end|>"
+    tokenizer.pad_token = "<|im_end|>"
+    return tokenizer
+
+
+def test_a_whole_episode_is_rendered_in_the_models_chat_template():
+    """Prompt, actions and observations laid out turn by turn give exactly the text the template
+    renders for the whole conversation, whether or not an action ended its own turn."""
+    tokenizer = _chatml_tokenizer()
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    chat = ChatFormat.of(tokenizer)
+    assert chat.turn_end == "<|im_end|>\n" and chat.end_token_ids == (end,)
+    assert chat.observation_open == "<|im_end|>\n<|im_start|>tool\n"
+    actions = ['<call>read</call>', '<call>test</call>', '<call>submit</call>']
+    observations = ["def f(): ...", "1 failed"]
+    for ends_turn in (False, True):
+        tokens = prompt_tokens(tokenizer, "Fix the bug.")
+        for i, action in enumerate(actions[:-1]):
+            action_ids = tokenizer(action, add_special_tokens=False)["input_ids"] + ([end] if ends_turn else [])
+            tokens += action_ids + observation_tokens(tokenizer, observations[i], action_ids)
+        tokens += tokenizer(actions[-1], add_special_tokens=False)["input_ids"]
+        messages = [{"role": "user", "content": "Fix the bug."}]
+        for action, observation in zip(actions, observations):
+            messages += [{"role": "assistant", "content": action}, {"role": "tool", "content": observation}]
+        messages.append({"role": "assistant", "content": actions[-1]})
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+        assert rendered.startswith(tokenizer.decode(tokens))
+        assert rendered == tokenizer.decode(tokens) + "<|im_end|>\n"
+
+
+def test_a_tokenizer_without_a_chat_template_gets_an_error_saying_so():
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = None
+    with pytest.raises(ChatTemplateError, match="has no chat template"):
+        prompt_tokens(tokenizer, "hi")
+
+
+def test_an_episode_that_would_outgrow_the_context_ends_with_context_limit_untruncated(tiny):
+    model, tokenizer = tiny
+    task = retry_task()
+    teacher = ScriptedTeacher(success_rate=1.0, mistake_rate=0.0, seed=0)
+    prompt_length = len(prompt_tokens(tokenizer, CodingEnv().reset(task)))
+    limit = prompt_length + 200
+    cfg = RolloutConfig(max_turns=8, max_context_tokens=limit, max_new_tokens=40)
+    [trajectory] = run_episodes(lambda: CodingEnv(), [task], tokenizer,
+                                scripted_actor(tokenizer, [teacher.policy(task)]), cfg)
+    assert trajectory.termination == "context_limit"
+    assert len(trajectory.token_ids) + 40 <= limit + 1000  # ended by the check, not cut anywhere
+    assert len(trajectory.token_ids) == len(trajectory.action_mask) == len(trajectory.behaviour_logprobs)
+    too_small = RolloutConfig(max_context_tokens=prompt_length + 10, max_new_tokens=40)
+    [unstarted] = run_episodes(lambda: CodingEnv(), [task], tokenizer,
+                               scripted_actor(tokenizer, [teacher.policy(task)]), too_small)
+    assert unstarted.termination == "context_limit" and unstarted.actions == []
 
 
 def test_agent_loop_keeps_generated_token_ids_without_retokenising(tiny):

@@ -4,8 +4,14 @@
 from the attention mask so a padded row sees the same positions as an unpadded one), with
 temperature, top-p and stop strings (a tool call ends at "</call>"). For every sampled token
 it returns the log-probability under the distribution actually sampled from, i.e. after
-temperature and top-p: that is the behaviour policy mu of the importance ratio. The padding
-token is never sampled, so it marks the end of each row unambiguously.
+temperature and top-p: that is the behaviour policy mu of the importance ratio.
+
+Nothing is suppressed: the distribution sampled from is the model's whole distribution, the
+one the learner's log-probs come from, so ratios on fresh data are 1 even for a model whose
+padding token is its end-of-turn token (SmolLM2's is). Padding is told apart by the attention
+mask on the way in, and on the way out each row is cut where it ended, found from its own
+tokens (the first end-of-turn token, kept as the action's last token, or the end of the first
+stop string), never by looking for the padding id.
 """
 
 from __future__ import annotations
@@ -108,15 +114,12 @@ def sample(model: Any, tokenizer: Any, contexts: Sequence[Sequence[int]], cfg: S
         input_ids[row, width - len(ids):] = torch.tensor(list(ids), dtype=torch.long)
         attention[row, width - len(ids):] = 1
     input_ids, attention = input_ids.to(device), attention.to(device)
-    end_ids = [tokenizer.eos_token_id]
-    end_token = tokenizer.convert_tokens_to_ids("<|end|>")
-    if isinstance(end_token, int) and end_token != tokenizer.unk_token_id:
-        end_ids.append(end_token)
+    end_ids = list(end_token_ids(tokenizer))
     sampler = _InverseCdfSampler(cfg, uniforms)
     out = model.generate(
         input_ids=input_ids, attention_mask=attention, do_sample=False, temperature=None, top_p=None, top_k=None,
         max_new_tokens=cfg.max_new_tokens, stop_strings=list(cfg.stop) or None, tokenizer=tokenizer,
-        logits_processor=[sampler], pad_token_id=pad, eos_token_id=end_ids, suppress_tokens=[pad],
+        logits_processor=[sampler], pad_token_id=pad, eos_token_id=end_ids,
     )
     new_tokens = out[:, width:] if isinstance(out, Tensor) else out.sequences[:, width:]  # [B, N]
     logprobs = torch.stack(sampler.logprobs, dim=1)[:, :new_tokens.shape[1]]
@@ -125,12 +128,43 @@ def sample(model: Any, tokenizer: Any, contexts: Sequence[Sequence[int]], cfg: S
     samples = []
     for row in range(len(contexts)):
         tokens = token_rows[row]
-        length = tokens.index(pad) if pad in tokens else len(tokens)
+        length, finished = _row_end(tokenizer, tokens, end_ids, cfg.stop)
         text = tokenizer.decode(tokens[:length], skip_special_tokens=False)
-        finished = length < len(tokens) or (length > 0 and (tokens[length - 1] in end_ids
-                                                            or any(text.endswith(s) for s in cfg.stop)))
         samples.append(Sample(tokens[:length], logprob_rows[row][:length], text, "stop" if finished else "length"))
     return samples
+
+
+def end_token_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The tokens that end a model's turn: eos and its chat template's end-of-turn token."""
+    from keelrl.policy.chat import ChatFormat, ChatTemplateError
+
+    try:
+        return ChatFormat.of(tokenizer).end_token_ids
+    except ChatTemplateError:
+        return (int(tokenizer.eos_token_id),) if tokenizer.eos_token_id is not None else ()
+
+
+def _row_end(tokenizer: Any, tokens: list[int], end_ids: Sequence[int], stop: Sequence[str]) -> tuple[int, bool]:
+    """(length, finished) of one generated row, from its tokens alone (padding is never consulted).
+
+    The row ends after its first end-of-turn token (kept: the model learns to end its turn) or
+    after the token that completes its first stop string, whichever comes first.
+    """
+    ends = [i + 1 for i, token in enumerate(tokens) if token in end_ids][:1]
+    if stop and any(s in tokenizer.decode(tokens[:ends[0] if ends else len(tokens)], skip_special_tokens=False)
+                    for s in stop):
+        low, high = 1, ends[0] if ends else len(tokens)  # the shortest prefix holding a stop string
+        while low < high:
+            middle = (low + high) // 2
+            text = tokenizer.decode(tokens[:middle], skip_special_tokens=False)
+            if any(s in text for s in stop):
+                high = middle
+            else:
+                low = middle + 1
+        return low, True
+    if ends:
+        return ends[0], True
+    return len(tokens), False
 
 
 def recompute_logprobs(model: Any, sequences: Sequence[Sequence[int]], pad_id: int) -> list[Tensor]:

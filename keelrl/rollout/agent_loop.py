@@ -1,6 +1,6 @@
 """The agent loop: policy and environments, turn by turn, many episodes at once.
 
-Each episode's context grows as
+Each episode's context grows in the model's own chat template (`keelrl.policy.chat`), e.g.
 
     <|user|>PROMPT<|end|><|assistant|>ACTION<|end|><|tool|>OBSERVATION<|end|><|assistant|>ACTION...
 
@@ -19,11 +19,11 @@ from typing import Any, Callable, Sequence
 
 from keelrl.envs.base import Turn
 from keelrl.policy.sampling import SamplingConfig, draw_uniforms, sample
-from keelrl.rollout.scheduler import (OBSERVATION_PREFIX, OBSERVATION_SUFFIX, ActFn, Episode, EpisodeScheduler,
-                                      GroupRequest, RolloutConfig, observation_tokens, prompt_tokens)
+from keelrl.rollout.scheduler import (ActFn, Episode, EpisodeScheduler, GroupRequest, RolloutConfig,
+                                      observation_tokens, prompt_tokens)
 from keelrl.rollout.trajectory import Trajectory
 
-__all__ = ["OBSERVATION_PREFIX", "OBSERVATION_SUFFIX", "ActFn", "Episode", "RolloutConfig", "model_actor",
+__all__ = ["ActFn", "Episode", "RolloutConfig", "model_actor",
            "observation_tokens", "prompt_tokens", "run_episodes", "scripted_actor"]
 
 

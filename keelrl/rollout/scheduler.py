@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from keelrl.policy.chat import ChatFormat
 from keelrl.rollout.trajectory import Trajectory
 
 
@@ -69,28 +70,26 @@ class RolloutConfig:
     max_turns: int = 8
     max_context_tokens: int = 3072
     """An episode whose context would exceed this ends with termination 'context_limit'."""
+    max_new_tokens: int = 16
+    """Room kept for the next action: an episode stops ('context_limit') before a turn that
+    could push its context past `max_context_tokens`, never truncating anything."""
     env_threads: int = 4
     """Threads running environment work (resets, tool calls, gradings)."""
     interruptible: bool = True
     """Load new weights between any two turns (False: only when no episode is in flight)."""
 
 
-OBSERVATION_PREFIX, OBSERVATION_SUFFIX = "<|end|><|tool|>", "<|end|><|assistant|>"
-
-
 def prompt_tokens(tokenizer: Any, first_observation: str) -> list[int]:
-    """The first observation as a chat prompt (the tokenizer's template, or a plain fallback)."""
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": first_observation}], tokenize=False,
-                                             add_generation_prompt=True)
-    else:
-        text = f"User: {first_observation}\nAssistant: "
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    """The first observation as the first user message of the tokenizer's chat template."""
+    return ChatFormat.of(tokenizer).prompt(tokenizer, first_observation)
 
 
-def observation_tokens(tokenizer: Any, observation: str) -> list[int]:
-    return list(tokenizer(OBSERVATION_PREFIX + observation + OBSERVATION_SUFFIX,
-                          add_special_tokens=False)["input_ids"])
+def observation_tokens(tokenizer: Any, observation: str, previous_action: Sequence[int] = ()) -> list[int]:
+    """An observation in the tokenizer's chat template, after an action whose tokens were
+    `previous_action` (one that ended on the end-of-turn token does not get a second one)."""
+    chat = ChatFormat.of(tokenizer)
+    ended = bool(previous_action) and previous_action[-1] in chat.end_token_ids
+    return chat.observation(tokenizer, observation, action_end=previous_action[-1] if ended else None)
 
 
 def episode_generator(seed: int, attempt: int) -> torch.Generator:
@@ -110,6 +109,8 @@ class Episode:
     trajectory: Trajectory
     generator: torch.Generator
     turn: int = 0
+    last_action: list[int] = field(default_factory=list)
+    """Token ids of the latest action (its observation is laid out after it)."""
     started: float = 0.0
     seconds: dict[str, float] = field(default_factory=lambda: {"generate": 0.0, "env": 0.0, "grade": 0.0})
 
@@ -271,7 +272,11 @@ class EpisodeScheduler:
                 episode.seconds["env"] += seconds
                 trajectory.extend(prompt_tokens(self.tokenizer, value), action=False, turn=0)
                 trajectory.prompt_length = len(trajectory.token_ids)
-                self._ready.append(episode)
+                if trajectory.prompt_length + self.cfg.max_new_tokens > self.cfg.max_context_tokens:
+                    trajectory.termination = "context_limit"  # not even one action fits: graded as is
+                    self._futures[self.pool.submit(self._timed, episode.env.grade)] = ("grade", episode)
+                else:
+                    self._ready.append(episode)
             elif kind == "step":
                 episode.seconds["env"] += seconds
                 self._after_step(episode, *value)
@@ -292,8 +297,8 @@ class EpisodeScheduler:
         if done:
             trajectory.termination = info.get("termination", "submitted")
         else:
-            tokens = observation_tokens(self.tokenizer, observation)
-            if len(trajectory.token_ids) + len(tokens) + 16 > self.cfg.max_context_tokens:
+            tokens = observation_tokens(self.tokenizer, observation, episode.last_action)
+            if len(trajectory.token_ids) + len(tokens) + self.cfg.max_new_tokens > self.cfg.max_context_tokens:
                 trajectory.termination = "context_limit"
             elif episode.turn >= self.cfg.max_turns:
                 trajectory.extend(tokens, action=False, turn=turn)
@@ -333,6 +338,7 @@ class EpisodeScheduler:
             episode.seconds["generate"] += seconds
             trajectory = episode.trajectory
             trajectory.extend(tokens, action=True, turn=episode.turn, logprobs=logprobs)
+            episode.last_action = list(tokens)
             trajectory.actions.append(text)
             trajectory.versions.append(self.version)
             counts = self.stats.tokens_by_version
