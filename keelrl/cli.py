@@ -241,6 +241,29 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     return 1 if report.flagged else 0
 
 
+def _cmd_model(args: argparse.Namespace) -> int:
+    from keelrl.policy.registry import ModelFetchError, fetch_model, list_models, model_cache_dir
+
+    if args.action == "list":
+        table = Table(title=f"registered models (model.path=NAME; cache: {model_cache_dir()})")
+        for column in ("name", "cached", "size", "license", "description"):
+            table.add_column(column, overflow="fold")
+        for row in list_models():
+            table.add_row(row["name"], "yes" if row["cached"] else "no", row["size"], row["license"],
+                          row["description"])
+        Console(width=max(Console().width, 160)).print(table)
+        return 0
+    if args.name is None:
+        print("keel: model fetch needs a NAME (see `keel model list`)", file=sys.stderr)
+        return 2
+    try:
+        print(fetch_model(args.name, progress=True))
+    except (ModelFetchError, ValueError) as error:
+        print(f"keel: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="keel", description="keelrl: RL for LLM agents.")
     parser.add_argument("--version", action="version", version=f"keelrl {__version__}")
@@ -288,6 +311,11 @@ def build_parser() -> argparse.ArgumentParser:
     tasks.add_argument("--out", help="export: write here instead of stdout")
     tasks.add_argument("--workers", type=int, default=2, help="validate: parallel sandbox runs")
     tasks.set_defaults(func=_cmd_tasks)
+
+    model = sub.add_parser("model", help="list the registered models, or fetch one into the cache")
+    model.add_argument("action", choices=("list", "fetch"))
+    model.add_argument("name", nargs="?", help="fetch: the registered model name, e.g. smollm2")
+    model.set_defaults(func=_cmd_model)
 
     from keelrl.verifiers import VERIFIERS
 
