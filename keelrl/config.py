@@ -84,6 +84,9 @@ class EnvConfig:
     """Turns per episode."""
     show_tools: bool = False
     """Describe the tools in every prompt (long); the warm start teaches the format either way."""
+    show_file: bool = False
+    """Coding: the first observation shows the file to fix (as `read` would), so the first action
+    can already be the fix; with max_turns=1 an episode is one edit, then grading."""
 
     def __post_init__(self) -> None:
         from keelrl.verifiers import VERIFIERS
@@ -176,17 +179,28 @@ class TrainConfig:
     """Independent held-out evaluation every this many steps (and at the end)."""
     eval_tasks: int = 150
     """Held-out tasks in each evaluation (never trained on)."""
+    eval_base: bool = True
+    """Also evaluate the model before the warm start (summary.json's heldout_base); no effect
+    without a warm start."""
     eval_temperature: float = 0.0
     """0 = greedy evaluation."""
     checkpoint_every: int = 5
     """Save a resumable checkpoint every this many steps."""
     sample_trajectories: int = 4
     """Trajectories written out as readable text per step."""
+    micro_batch_tokens: int = 4096
+    """Memory bound of the learner (RL updates, no-grad log-prob passes and the warm start): no
+    forward pass sees more than this many padded tokens (rows x longest row). Each minibatch
+    runs as micro-batches of rows with accumulated gradients, the same update as one pass; a
+    single longer row runs alone."""
+    gradient_checkpointing: bool = False
+    """Recompute the policy's layer activations in the backward pass instead of keeping them
+    (less memory, about a third more compute per update)."""
 
     def __post_init__(self) -> None:
         _positive(lr=self.lr, max_grad_norm=self.max_grad_norm, epochs=self.epochs,
                   minibatch_size=self.minibatch_size, eval_every=self.eval_every, eval_tasks=self.eval_tasks,
-                  checkpoint_every=self.checkpoint_every)
+                  checkpoint_every=self.checkpoint_every, micro_batch_tokens=self.micro_batch_tokens)
         if self.steps < 0 or self.warmup_steps < 0 or self.eval_temperature < 0:
             raise ConfigError("steps", "steps, warmup_steps and eval_temperature must be >= 0")
 

@@ -578,3 +578,19 @@ def test_a_newline_before_the_closing_tag_ends_the_line_instead_of_adding_one():
     assert parse_action("<call>replace 2\n    x\n</call>", CODING_TOOLS).body == "    x"
     assert parse_action("<call>replace 2\n    x</call>", CODING_TOOLS).body == "    x"
     assert parse_action("<call>replace 2\n    x\n\n</call>", CODING_TOOLS).body == "    x\n"
+
+
+def test_show_file_puts_the_numbered_file_in_the_prompt_so_one_turn_is_a_whole_attempt():
+    from keelrl.envs.teacher import ScriptedTeacher
+
+    task = retry_task()
+    env = CodingEnv(max_turns=1, show_file=True)
+    prompt = env.reset(task)
+    assert prompt.endswith(env._read(env.workdir / task.entry_file))
+    assert "1| def retry_count(config):" in prompt
+    assert "| def retry_count" not in CodingEnv(show_file=False).reset(task)
+    plan = ScriptedTeacher(success_rate=1.0, mistake_rate=0.0, seed=0, read_first=False).plan(task)
+    assert not plan.actions[0].startswith("<call>read")
+    observation, done, info = env.step(plan.actions[0])
+    assert done and info["termination"] == "max_turns"
+    assert env.grade().success

@@ -10,6 +10,9 @@ tools (see `keelrl.envs.tools` for the call format):
     test                        run the visible tests in the sandbox: pass/fail per case with the failing value
     submit                      end the episode
 
+With `show_file=True` the first observation already holds the file to fix, as `read` shows
+it, so a one-turn episode (`max_turns=1`: one edit, then grading) is a complete attempt.
+
 Edits change the files on disk; `test` runs the working copy as it is (a tampered test file
 included); `grade()` runs the verifier's hidden checks on the working copy with the test file
 restored from the base commit. A malformed action, an unknown tool, a bad line number or an
@@ -75,7 +78,7 @@ class CodingEnv:
 
     def __init__(self, verifier: str | Verifier = "strong", *, sandbox: Sandbox | None = None,
                  max_turns: int = 12, max_action_chars: int = 4000, use_git: bool = True,
-                 show_tools: bool = True) -> None:
+                 show_tools: bool = True, show_file: bool = False) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         self.sandbox = sandbox or Sandbox(DEFAULT_LIMITS)
@@ -83,6 +86,7 @@ class CodingEnv:
         self.max_turns = max_turns
         self.max_action_chars = max_action_chars
         self.show_tools = show_tools
+        self.show_file = show_file
         self.use_git = use_git and shutil.which("git") is not None
         self.task: Task | None = None
         self.workdir: Path | None = None
@@ -110,8 +114,9 @@ class CodingEnv:
         self.turn, self.done, self._grade = 0, False, None
         files = ", ".join(sorted(task.files))
         tools = f"\n{describe_tools(CODING_TOOLS)}" if self.show_tools else ""
+        shown = f"\n{self._read(self.workdir / task.entry_file)}" if self.show_file else ""
         return (f"{task.prompt}\nThe function to fix is {task.entry_function} in {task.entry_file}. "
-                f"Files: {files}.{tools}")
+                f"Files: {files}.{tools}{shown}")
 
     def step(self, action_text: str) -> tuple[str, bool, dict]:
         if self.task is None or self.workdir is None:

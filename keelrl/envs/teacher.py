@@ -9,6 +9,9 @@ For each episode it draws, from its own seeded RNG, whether it will succeed (pro
     success, no mistake: read -> real fix -> test -> submit
     failure:             read -> wrong fix (or nothing, if the task has none) -> test -> submit
 
+Without `read_first` (the prompt shows the file) the opening read is left out, so the
+first action is already the fix (or the mistake).
+
 Edits are computed from the difference between the current file and the target file: one
 `replace` when a single line changes, otherwise one `edit` of the changed block. The teacher
 supplies warm-start demonstrations and a predictable policy for rollout-loop tests.
@@ -69,13 +72,16 @@ class TeacherPlan:
 class ScriptedTeacher:
     """A policy over `CodingEnv` with a configurable success rate (see the module docstring)."""
 
-    def __init__(self, success_rate: float = 0.8, mistake_rate: float = 0.5, seed: int = 0) -> None:
+    def __init__(self, success_rate: float = 0.8, mistake_rate: float = 0.5, seed: int = 0,
+                 read_first: bool = True) -> None:
         for name, value in (("success_rate", success_rate), ("mistake_rate", mistake_rate)):
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {value}")
         self.success_rate = success_rate
         self.mistake_rate = mistake_rate
         self.rng = random.Random(seed)
+        self.read_first = read_first
+        """Open with `read` (False when the prompt already shows the file: `show_file`)."""
 
     def plan(self, task: Task) -> TeacherPlan:
         """Decide success and mistake for one episode and script its actions."""
@@ -83,7 +89,7 @@ class ScriptedTeacher:
         has_mistake = bool(task.wrong_fix)
         mistake = has_mistake and (not succeed or self.rng.random() < self.mistake_rate)
         files = dict(task.files)
-        actions = ["<call>read</call>"]
+        actions = ["<call>read</call>"] if self.read_first else []
 
         def move_to(target_files: dict[str, str]) -> None:
             for path in sorted(target_files):

@@ -16,7 +16,7 @@ fit. Values are computed in float32 whatever the weights' dtype.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
@@ -42,18 +42,13 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 
 def ensure_model_dir(path: str) -> Path:
-    """'tiny' -> the built-in model's directory (built on first use); else the given path."""
-    if path == "tiny":
-        from keelrl.policy.tiny import save_tiny_default
+    """A registered name ('tiny', 'smollm2'; fetched on first use), a .gguf file or a local directory -> a directory.
 
-        if not (DEFAULT_TINY_DIR / "config.json").exists():
-            save_tiny_default(DEFAULT_TINY_DIR)
-        return DEFAULT_TINY_DIR
-    directory = Path(path)
-    if not (directory / "config.json").exists():
-        raise FileNotFoundError(f"model path {path!r} has no config.json; give a local Hugging Face model "
-                                f"directory or 'tiny'")
-    return directory
+    See `keelrl.policy.registry.resolve_model_path`.
+    """
+    from keelrl.policy.registry import resolve_model_path
+
+    return resolve_model_path(path)
 
 
 def load_policy(path: str, device: str | torch.device = "auto", dtype: torch.dtype | None = None) -> tuple[Any, Any]:
@@ -77,27 +72,115 @@ def token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor, *, chu
     """input_ids, attention_mask [B, T] -> {"logp": [B, T], "entropy": [B, T], "hidden": [B, T, H]}.
 
     logp[:, t] = log pi(input_ids[:, t] | input_ids[:, :t]); position 0 (nothing before it)
-    gets 0. entropy[:, t] is the entropy of the distribution that predicted token t.
+    gets 0. entropy[:, t] is the entropy of the distribution that predicted token t. Both are
+    float32 (float64 for float64 weights) whatever the weights' dtype.
+
+    The body runs without a KV cache (nothing here reuses one). When gradients are needed, each
+    chunk's logits and log-softmax are recomputed in the backward pass (checkpointed), so
+    autograd keeps the hidden states and the [B, T] results, not a float32 [B, chunk, V] copy
+    of every chunk. This bounds the head's memory, not the body's: the body's activations grow
+    with B x T, which is what the trainer's micro-batches bound.
     """
-    outputs = model.model(input_ids=input_ids, attention_mask=attention_mask)
+    from torch.utils.checkpoint import checkpoint
+
+    outputs = model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     hidden = outputs.last_hidden_state  # [B, T, H]
     head = model.get_output_embeddings()
     batch, length = input_ids.shape
-    logp = hidden.new_zeros(batch, length, dtype=torch.float32)
-    entropy = hidden.new_zeros(batch, length, dtype=torch.float32) if with_entropy else None
+    dtype = torch.promote_types(hidden.dtype, torch.float32)  # float64 weights keep float64
+    logp = hidden.new_zeros(batch, length, dtype=dtype)
+    entropy = hidden.new_zeros(batch, length, dtype=dtype) if with_entropy else None
+    recompute = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
     for start in range(0, length - 1, chunk_size):
         stop = min(start + chunk_size, length - 1)
-        logits = head(hidden[:, start:stop]).float()  # [B, c, V]
-        log_probs = torch.log_softmax(logits, dim=-1)
-        targets = input_ids[:, start + 1:stop + 1]
-        logp[:, start + 1:stop + 1] = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        piece, targets = hidden[:, start:stop], input_ids[:, start + 1:stop + 1]
+        if recompute:
+            chunk_logp, chunk_entropy = checkpoint(_head_logprobs, head, piece, targets, with_entropy,
+                                                   use_reentrant=False)
+        else:
+            chunk_logp, chunk_entropy = _head_logprobs(head, piece, targets, with_entropy)
+        logp[:, start + 1:stop + 1] = chunk_logp
         if entropy is not None:
-            entropy[:, start + 1:stop + 1] = -(log_probs.exp() * log_probs).sum(-1)
+            entropy[:, start + 1:stop + 1] = chunk_entropy
     result = {"logp": logp}
     if entropy is not None:
         result["entropy"] = entropy
     if with_hidden:
         result["hidden"] = hidden
+    return result
+
+
+def _head_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor,
+                   with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """hidden [B, c, H], targets [B, c] -> (log-prob of each target [B, c], entropy [B, c] or None)."""
+    logits = head(hidden)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # [B, c, V]
+    log_probs = torch.log_softmax(logits, dim=-1)
+    chunk_logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [B, c]
+    chunk_entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None  # [B, c]
+    return chunk_logp, chunk_entropy
+
+
+def row_lengths(attention_mask: Tensor) -> Tensor:
+    """attention_mask [B, T] -> [B]: one past each row's last attended position (at least 1).
+
+    Cutting a row at its length drops only padding after it, so the kept positions'
+    log-probs do not change (attention is causal).
+    """
+    positions = torch.arange(1, attention_mask.shape[1] + 1, device=attention_mask.device)
+    return torch.where(attention_mask.bool(), positions, 0).amax(dim=1).clamp(min=1)  # [B]
+
+
+def split_rows(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Row indices grouped so each group's rows x its longest row is at most `max_tokens`.
+
+    Rows are sorted longest first (ties keep their order), so rows of similar length share a
+    group and little padding is added; groups are filled greedily in that order. A row longer
+    than `max_tokens` on its own forms a group of one: it still runs, over budget.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    order = sorted(range(len(lengths)), key=lambda row: -lengths[row])
+    groups: list[list[int]] = []
+    for row in order:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens:
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    return groups
+
+
+@torch.no_grad()
+def chunked_token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor, *, max_tokens: int,
+                           value_fn: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None) -> dict[str, Tensor]:
+    """input_ids, attention_mask [B, T] -> {"logp": [B, T], "values": [B, T]}, without gradients.
+
+    `token_logprobs` over groups of rows from `split_rows`, each cut to its own longest row,
+    so no forward pass sees more than `max_tokens` padded tokens (a row longer than that
+    runs alone). At padding positions the results are unspecified (0, or whatever the model
+    makes of pad tokens), as in one pass over the whole batch: mask them. With `value_fn`
+    (a critic: input_ids, attention_mask, hidden [b, t, H] -> values [b, t]) the values are
+    computed group by group too, so the [B, T, H] hidden states never exist at once.
+    """
+    batch, length = input_ids.shape
+    lengths = row_lengths(attention_mask).tolist()
+    logp = torch.zeros(batch, length, dtype=torch.float32, device=input_ids.device)
+    values: Tensor | None = None
+    for group in split_rows(lengths, max_tokens):
+        rows = torch.tensor(group, device=input_ids.device)
+        width = max(lengths[row] for row in group)
+        ids, attended = input_ids[rows, :width], attention_mask[rows, :width]  # [b, t]
+        out = token_logprobs(model, ids, attended, with_hidden=value_fn is not None)
+        logp = logp.to(out["logp"].dtype)  # float64 weights give float64 log-probs
+        logp[rows, :width] = out["logp"]
+        if value_fn is not None:
+            group_values = value_fn(ids, attended, out["hidden"])  # [b, t]
+            if values is None:
+                values = group_values.new_zeros(batch, length)
+            values[rows, :width] = group_values
+    result = {"logp": logp}
+    if values is not None:
+        result["values"] = values
     return result
 
 

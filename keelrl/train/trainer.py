@@ -16,13 +16,28 @@ held-out tasks it never trains on, with the strong verifier, whatever the traini
 is. A step whose loss or gradient is not finite is skipped and counted. Task sampling and
 sampling seeds are functions of (seed, step), so a resumed run repeats exactly what an
 uninterrupted one would have done.
+
+Memory. No forward pass sees more than `train.micro_batch_tokens` padded tokens (rows x
+longest row): the no-grad passes (proximal, reference, critic values) run over groups of rows,
+and each optimiser minibatch (of RL and of the warm start) runs as micro-batches whose
+gradients accumulate into the update of one pass over the minibatch. A row longer than the budget runs alone, over budget. The
+aggregation modes weigh tokens by minibatch-wide normalisers (the minibatch's action tokens,
+its rows, its rows with actions); `aggregation_weights` reads each mode's token weights off
+the registered function, and each micro-batch's loss is scaled so that its weights are the
+minibatch's weights on its rows (`micro_batch_scale`): the scaled micro-batch losses sum to
+the minibatch loss for every mode whose loss is linear in the per-token terms, and any other
+mode fails loudly. Every step logs memory/peak_rss_gb (a high-water mark of the process),
+memory/rss_gb and, on CUDA, memory/cuda_peak_gb (peak since the previous step's row).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import resource
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -30,7 +45,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from keelrl.algos import compute_advantages, outcome_to_token_rewards, policy_objective, value_loss
-from keelrl.algos.losses import kl_reward_penalty
+from keelrl.algos.config import AlgoConfig
+from keelrl.algos.losses import aggregate, kl_reward_penalty
 from keelrl.config import KeelConfig, dump_config
 from keelrl.envs.coding import CodingEnv
 from keelrl.envs.guess import BinarySearchTeacher, GuessEnvFactory
@@ -39,7 +55,8 @@ from keelrl.envs.teacher import ScriptedTeacher
 from keelrl.alarms import PATCH_TOOLS, AlarmEvent, AlarmMonitor, distinct_patches
 from keelrl.monitor import MetricsLogger, plot_run, read_metrics
 from keelrl.policy.critic import build_critic
-from keelrl.policy.model import load_policy, resolve_device, token_logprobs
+from keelrl.policy.model import (chunked_token_logprobs, load_policy, resolve_device, row_lengths, split_rows,
+                                 token_logprobs)
 from keelrl.policy.sampling import SamplingConfig
 from keelrl.rollout.agent_loop import RolloutConfig, model_actor, run_episodes, scripted_actor
 from keelrl.rollout.engines import LocalEngine, RolloutEngine, StepRollouts
@@ -47,6 +64,7 @@ from keelrl.rollout.scheduler import GroupRequest
 from keelrl.rollout.trajectory import Batch, Trajectory, collate
 from keelrl.sandbox import Sandbox, default_hidden_paths
 from keelrl.train.dynamic import fill_batch
+from keelrl.train.evaluation import heldout_report, paired_difference
 from keelrl.verifiers import DEFAULT_LIMITS, make_verifier
 
 
@@ -72,9 +90,113 @@ def load_task_splits(cfg: KeelConfig) -> tuple[list[Any], list[Any]]:
     return train, heldout
 
 
+def context_limit_frac(trajectories: Sequence[Trajectory]) -> float:
+    """Share of episodes ended because the next turn could not fit `rollout.max_context_tokens`."""
+    return sum(t.termination == "context_limit" for t in trajectories) / max(1, len(trajectories))
+
+
 def action_error_frac(trajectories: Sequence[Trajectory]) -> float:
     """Share of turns whose action the environment rejected."""
     return sum(t.action_errors for t in trajectories) / max(1, sum(len(t.actions) for t in trajectories))
+
+
+OBJECTIVE_METRICS = frozenset({"policy/loss", "loss/total", "value/loss"})
+"""Metrics that are values of the aggregated objective: combined over micro-batches with the
+loss scale. The others are action-token means (combined by token share) or `*_max` (max)."""
+
+
+def aggregation_weights(mask: torch.Tensor, cfg: AlgoConfig) -> torch.Tensor:
+    """mask [B, T] -> weights [B, T] (float64) with aggregate(x, mask, cfg) == sum(weights * x) for all x.
+
+    Read off the registered aggregation function by autograd, so every mode, present or
+    future, is covered without a table typed by hand. Raises ValueError when the mode is not
+    linear in the per-token terms (micro-batching could not split it).
+    """
+    count = mask.numel()
+    probe = ((torch.arange(count, dtype=torch.float64, device=mask.device) * 0.618034) % 1.0 + 0.5)
+    probe = probe.reshape(mask.shape).requires_grad_(True)  # [B, T], varied and non-zero
+    with torch.enable_grad():
+        total = aggregate(probe, mask, cfg)
+        (weights,) = torch.autograd.grad(total, probe)
+    if not torch.allclose(total.detach(), (weights * probe.detach()).sum(), rtol=1e-9, atol=1e-12):
+        raise ValueError(f"algo.aggregation={cfg.aggregation!r} is not linear in the per-token losses, so "
+                         f"train.micro_batch_tokens cannot split a minibatch into micro-batches")
+    return weights
+
+
+def micro_batch_scale(minibatch_weights: torch.Tensor, micro_mask: torch.Tensor, cfg: AlgoConfig) -> float:
+    """The factor s with s * aggregate(x, micro_mask) == sum(minibatch_weights * x) on the micro-batch's rows.
+
+    minibatch_weights [b, t]: `aggregation_weights` of the whole minibatch, at the micro-batch's
+    rows and columns; micro_mask [b, t]. E.g. token_mean: s = micro-batch action tokens /
+    minibatch action tokens; seq_mean_token_sum and constant: s = b / minibatch rows.
+    """
+    micro_weights = aggregation_weights(micro_mask, cfg)
+    scale = float(minibatch_weights.sum() / micro_weights.sum()) if micro_weights.sum() != 0 else 0.0
+    if not torch.allclose(minibatch_weights, scale * micro_weights, rtol=1e-9, atol=1e-15):
+        raise ValueError(f"algo.aggregation={cfg.aggregation!r} weighs a micro-batch's tokens differently from "
+                         f"the whole minibatch, so train.micro_batch_tokens cannot split it; raise "
+                         f"train.micro_batch_tokens above the minibatch's padded tokens")
+    return scale
+
+
+def combine_micro_metrics(parts: Sequence[tuple[dict[str, torch.Tensor], float, float, bool]]) -> dict[str, float]:
+    """Per-micro-batch metrics -> the minibatch's. Each part: (metrics, loss scale, share of the
+    minibatch's action tokens, has action tokens).
+
+    Objective values (OBJECTIVE_METRICS) add up with the loss scale, `*_max` metrics take the
+    max over micro-batches with action tokens, and the rest (action-token means) add up with
+    the token share.
+    """
+    combined: dict[str, float] = {}
+    for key in parts[0][0]:
+        if key in OBJECTIVE_METRICS:
+            combined[key] = sum(float(metrics[key]) * scale for metrics, scale, _, _ in parts)
+        elif key.endswith("_max"):
+            acted = [float(metrics[key]) for metrics, _, _, has_tokens in parts if has_tokens]
+            combined[key] = max(acted) if acted else 0.0
+        else:
+            combined[key] = sum(float(metrics[key]) * share for metrics, _, share, _ in parts)
+    return combined
+
+
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    """Process memory in GiB: peak resident set (a high-water mark since the process started),
+    current resident set (Linux) and, on CUDA, the peak allocated since the last reset."""
+    row: dict[str, float] = {}
+    statm = Path("/proc/self/statm")
+    if statm.exists():
+        resident_pages = int(statm.read_text().split()[1])
+        row["memory/rss_gb"] = resident_pages * os.sysconf("SC_PAGE_SIZE") / (1 << 30)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    peak_gb = peak / (1 << 30) if sys.platform == "darwin" else peak / (1 << 20)
+    # The kernel's high-water mark lags the live counters by a few pages; the peak is at least now.
+    row["memory/peak_rss_gb"] = max(peak_gb, row.get("memory/rss_gb", 0.0))
+    if device.type == "cuda":
+        row["memory/cuda_peak_gb"] = torch.cuda.max_memory_allocated(device) / (1 << 30)
+    return row
+
+
+def enable_gradient_checkpointing(model: Any) -> None:
+    """Recompute `model`'s layer activations in backward passes (non-reentrant checkpoints).
+
+    Takes effect only in training mode with gradients enabled, so sampling and no-grad passes
+    are unaffected.
+    """
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 renamed it
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def take_rows(batch: Batch, rows: torch.Tensor, width: int) -> Batch:
+    """The rows `rows` of `batch`, with [B, T] fields cut to the first `width` positions."""
+    fields = {}
+    for name, value in batch.__dict__.items():
+        value = value[rows]
+        fields[name] = value[:, :width] if value.dim() == 2 else value
+    return Batch(**fields)
 
 
 EXTRA_INDEX_BASE = 1 << 40
@@ -85,10 +207,11 @@ class CodingEnvFactory:
     """A picklable `make_env` for CodingEnv (Ray workers build their own sandbox and verifier)."""
 
     def __init__(self, verifier: str, *, partial_credit: bool = True, max_turns: int = 6,
-                 show_tools: bool = False, key_weight: float = 1.0, hidden_paths: Sequence[str] = ()) -> None:
+                 show_tools: bool = False, show_file: bool = False, key_weight: float = 1.0,
+                 hidden_paths: Sequence[str] = ()) -> None:
         self.verifier, self.partial_credit, self.key_weight = verifier, partial_credit, key_weight
         self.hidden_paths = list(hidden_paths)
-        self.max_turns, self.show_tools = max_turns, show_tools
+        self.max_turns, self.show_tools, self.show_file = max_turns, show_tools, show_file
         self._built: tuple[Sandbox, Any] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -100,7 +223,8 @@ class CodingEnvFactory:
             self._built = (sandbox, make_verifier(self.verifier, sandbox, partial_credit=self.partial_credit,
                                                   key_weight=self.key_weight))
         sandbox, verifier = self._built
-        return CodingEnv(verifier, sandbox=sandbox, max_turns=self.max_turns, show_tools=self.show_tools)
+        return CodingEnv(verifier, sandbox=sandbox, max_turns=self.max_turns, show_tools=self.show_tools,
+                         show_file=self.show_file)
 
 
 class Trainer:
@@ -114,6 +238,8 @@ class Trainer:
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         self.model, self.tokenizer = load_policy(cfg.model.path, self.device)
+        if cfg.train.gradient_checkpointing:
+            enable_gradient_checkpointing(self.model)
         self.pad_id = self.tokenizer.pad_token_id
         self.value_head = None
         if cfg.algo.uses_critic:
@@ -133,6 +259,8 @@ class Trainer:
         self.step = 0
         self.skipped_steps = 0
         self.summary: dict[str, Any] = {}
+        self.last_eval_report: dict[str, Any] | None = None
+        """The latest `evaluate`'s full report (per kind, per task), for summary.json."""
 
     # ----------------------------------------------------------------- helpers
     def _freeze_reference(self) -> None:
@@ -176,7 +304,7 @@ class Trainer:
             return GuessEnvFactory(self.cfg.env.max_turns, self.cfg.env.verifier if training else "strong")
         verifier = self.train_verifier if training else self.eval_verifier
         return lambda: CodingEnv(verifier, sandbox=self.sandbox, max_turns=self.cfg.env.max_turns,
-                                 show_tools=self.cfg.env.show_tools)
+                                 show_tools=self.cfg.env.show_tools, show_file=self.cfg.env.show_file)
 
     @property
     def _answer_tools(self) -> tuple[str, ...]:
@@ -186,8 +314,8 @@ class Trainer:
     def _rollout_cfg(self, group_size: int) -> RolloutConfig:
         r = self.cfg.rollout
         return RolloutConfig(group_size=group_size, max_turns=self.cfg.env.max_turns,
-                             max_context_tokens=r.max_context_tokens, env_threads=r.env_threads,
-                             interruptible=r.interruptible)
+                             max_context_tokens=r.max_context_tokens, max_new_tokens=r.max_new_tokens,
+                             env_threads=r.env_threads, interruptible=r.interruptible)
 
     def requests_for(self, step: int) -> list[GroupRequest]:
         """The group requests of RL step `step`: a function of (seed, step) only."""
@@ -204,7 +332,7 @@ class Trainer:
         if env.name == "guess":
             return GuessEnvFactory(env.max_turns, env.verifier)
         return CodingEnvFactory(env.verifier, partial_credit=env.partial_credit, max_turns=env.max_turns,
-                                show_tools=env.show_tools, key_weight=env.key_check_weight,
+                                show_tools=env.show_tools, show_file=env.show_file, key_weight=env.key_check_weight,
                                 hidden_paths=self.hidden_paths())
 
     def extra_requests(self, step: int, start: int, count: int) -> list[GroupRequest]:
@@ -266,7 +394,8 @@ class Trainer:
             return {}
         teacher: Any = (BinarySearchTeacher(mistake_rate=ws.mistake_rate, seed=self.cfg.seed)
                         if self.cfg.env.name == "guess" else
-                        ScriptedTeacher(success_rate=1.0, mistake_rate=ws.mistake_rate, seed=self.cfg.seed))
+                        ScriptedTeacher(success_rate=1.0, mistake_rate=ws.mistake_rate, seed=self.cfg.seed,
+                                        read_first=not self.cfg.env.show_file))
         rng = random.Random(f"{self.cfg.seed}:demos")
         tasks = [self.train_tasks[i % len(self.train_tasks)] for i in range(ws.demos)]
         rng.shuffle(tasks)
@@ -285,14 +414,20 @@ class Trainer:
             rng.shuffle(demos)
             for start in range(0, len(demos), ws.batch_size):
                 batch = collate(demos[start:start + ws.batch_size], self.pad_id).to(self.device)
-                logp = token_logprobs(self.model, batch.input_ids, batch.attention_mask)["logp"]
-                mask = batch.action_mask
-                loss = -(logp * mask).sum() / mask.sum().clamp(min=1)
+                # Token mean over the whole batch: each micro-batch divides by the batch's count.
+                action_tokens = batch.action_mask.sum().clamp(min=1)
+                lengths = row_lengths(batch.attention_mask).tolist()
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                loss_value = 0.0
+                for group in split_rows(lengths, self.cfg.train.micro_batch_tokens):
+                    micro = take_rows(batch, torch.tensor(group, device=self.device), max(lengths[r] for r in group))
+                    logp = token_logprobs(self.model, micro.input_ids, micro.attention_mask)["logp"]
+                    loss = -(logp * micro.action_mask).sum() / action_tokens
+                    loss.backward()
+                    loss_value += loss.item()
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.max_grad_norm)
                 optimizer.step()
-                losses.append(loss.item())
+                losses.append(loss_value)
             self.progress("warm_start_epoch", {"epoch": epoch + 1, "loss": losses[-1]})
         return {"warm_start/demos": len(demos), "warm_start/final_loss": losses[-1] if losses else math.nan}
 
@@ -306,9 +441,12 @@ class Trainer:
         trajectories = run_episodes(self._env(training=False), tasks, self.tokenizer,
                                     model_actor(self.model, self.tokenizer, sampling),
                                     self._rollout_cfg(1), seed=self.cfg.seed + 7919)
-        return {"eval/success": sum(t.success for t in trajectories) / len(trajectories),
-                "eval/partial": sum(t.partial for t in trajectories) / len(trajectories),
+        report = heldout_report(trajectories, [getattr(task, "kind", "all") for task in tasks])
+        self.last_eval_report = report
+        return {"eval/success": report["success"], "eval/success_se": report["success_se"],
+                "eval/partial": report["partial"], "eval/partial_se": report["partial_se"],
                 "eval/action_error_frac": action_error_frac(trajectories),
+                "eval/context_limit_frac": context_limit_frac(trajectories),
                 "eval/tasks": len(trajectories)}
 
     # ----------------------------------------------------------------- RL
@@ -323,8 +461,9 @@ class Trainer:
         """
         algo = self.cfg.algo
         mask = batch.action_mask
-        prox_out = token_logprobs(self.model, batch.input_ids, batch.attention_mask,
-                                  with_hidden=self.value_head is not None)
+        budget = self.cfg.train.micro_batch_tokens
+        prox_out = chunked_token_logprobs(self.model, batch.input_ids, batch.attention_mask, max_tokens=budget,
+                                          value_fn=self.value_head)
         prox_logp = prox_out["logp"]
         log_w = (prox_logp - batch.behaviour_logprobs).masked_fill(~mask, 0.0).clamp(-algo.max_log_ratio,
                                                                                      algo.max_log_ratio)
@@ -332,13 +471,12 @@ class Trainer:
         token_rewards = outcome_to_token_rewards(batch.rewards, mask)
         ref_logp = None
         if self.reference is not None:
-            ref_logp = token_logprobs(self.reference, batch.input_ids, batch.attention_mask)["logp"]
+            ref_logp = chunked_token_logprobs(self.reference, batch.input_ids, batch.attention_mask,
+                                              max_tokens=budget)["logp"]
             if algo.kl_in_reward:
                 token_rewards = kl_reward_penalty(token_rewards, batch.behaviour_logprobs, ref_logp, mask,
                                                   algo.kl_coef, algo.kl_estimator)
-        values = None
-        if self.value_head is not None:
-            values = self.value_head(batch.input_ids, batch.attention_mask, prox_out["hidden"])
+        values = prox_out.get("values")
         out = compute_advantages(token_rewards=token_rewards, mask=mask, group_ids=batch.group_ids, cfg=algo,
                                  values=values, turn_ids=batch.turn_ids)
         same = batch.group_ids.unsqueeze(0) == batch.group_ids.unsqueeze(1)
@@ -365,31 +503,21 @@ class Trainer:
             group["lr"] = lr
         self.model.train()
         sums: dict[str, float] = {}
-        updates = skipped = 0
+        updates = skipped = micro_batches = 0
         order = list(range(len(trajectories)))
         rng = random.Random(f"{self.cfg.seed}:minibatch:{step}")
+        learner = (advantages, returns, old_values, ref_all, prox_all)
         for _ in range(train.epochs):
             rng.shuffle(order)
             for start in range(0, len(order), train.minibatch_size):
                 rows = torch.tensor(order[start:start + train.minibatch_size], device=self.device)
-                mb = Batch(**{name: value[rows] for name, value in batch.__dict__.items()})
-                out = token_logprobs(self.model, mb.input_ids, mb.attention_mask, with_entropy=True,
-                                     with_hidden=self.value_head is not None)
-                ref = None if ref_all is None or algo.kl_in_reward else ref_all[rows]
-                loss, metrics = policy_objective(logp=out["logp"], old_logp=mb.behaviour_logprobs,
-                                                 advantages=advantages[rows], mask=mb.action_mask, cfg=algo,
-                                                 ref_logp=ref, entropy=out["entropy"], prox_logp=prox_all[rows])
-                if self.value_head is not None and old_values is not None:
-                    new_values = self.value_head(mb.input_ids, mb.attention_mask, out["hidden"])
-                    vloss, vmetrics = value_loss(new_values, old_values[rows], returns[rows],
-                                                 mb.action_mask, algo)
-                    loss = loss + algo.value_coef * vloss
-                    metrics.update(vmetrics)
                 self.optimizer.zero_grad(set_to_none=True)
-                if not torch.isfinite(loss):
+                metrics, passes = self.accumulate_gradients(batch, rows, *learner)
+                micro_batches += passes
+                if metrics is None:  # a micro-batch's loss was not finite
+                    self.optimizer.zero_grad(set_to_none=True)
                     skipped += 1
                     continue
-                loss.backward()
                 grad_norm = torch.nn.utils.clip_grad_norm_(self._parameters(), train.max_grad_norm)
                 if not torch.isfinite(grad_norm):
                     self.optimizer.zero_grad(set_to_none=True)
@@ -397,9 +525,9 @@ class Trainer:
                     continue
                 self.optimizer.step()
                 updates += 1
-                metrics["train/grad_norm"] = grad_norm
+                metrics["train/grad_norm"] = float(grad_norm)
                 for key, value in metrics.items():
-                    sums[key] = sums.get(key, 0.0) + float(value)
+                    sums[key] = sums.get(key, 0.0) + value
         self.skipped_steps += skipped
         seconds = time.monotonic() - started
         tokens = int(batch.attention_mask.sum())
@@ -415,14 +543,61 @@ class Trainer:
             "train/action_tokens": sum(t.num_action_tokens for t in trajectories) / len(trajectories),
             "train/turns": sum(len(t.actions) for t in trajectories) / len(trajectories),
             "train/action_error_frac": action_error_frac(trajectories),
+            "train/context_limit_frac": context_limit_frac(trajectories),
             "train/distinct_patches": distinct_patches(self._groups(trajectories), self._answer_tools),
             "train/updates": updates, "train/skipped_updates": skipped, "train/lr": lr,
+            "train/micro_batches": micro_batches,
             "time/step_s": seconds, "time/learn_s": learn_seconds,
             "time/learner_util": learn_seconds / max(seconds, 1e-9),
             "time/tokens_per_s": tokens / max(seconds, 1e-9),
         })
+        row.update(memory_metrics(self.device))
+        if self.device.type == "cuda":  # the next row's peak covers the next step only
+            torch.cuda.reset_peak_memory_stats(self.device)
         self._write_samples(step, trajectories)
         return row
+
+    def accumulate_gradients(self, batch: Batch, rows: torch.Tensor, advantages: torch.Tensor,
+                             returns: torch.Tensor, old_values: torch.Tensor | None, ref_all: torch.Tensor | None,
+                             prox_all: torch.Tensor) -> tuple[dict[str, float] | None, int]:
+        """Backward of the minibatch `rows` of `batch`, in micro-batches -> (the minibatch's metrics, passes run).
+
+        Gradients add up in the parameters' .grad (the caller zeroes them first) to those of one
+        pass over the whole minibatch: each micro-batch's loss is scaled by `micro_batch_scale`.
+        Rows are sorted by length within the minibatch and each micro-batch is cut to its own
+        longest row; a row longer than train.micro_batch_tokens runs alone. Metrics are `None`
+        when a micro-batch's loss is not finite (the remaining micro-batches are not run).
+        """
+        algo = self.cfg.algo
+        mask = batch.action_mask[rows]  # [b, T]
+        minibatch_weights = aggregation_weights(mask, algo)  # [b, T]
+        action_tokens = int(mask.sum())
+        lengths = row_lengths(batch.attention_mask[rows]).tolist()
+        parts: list[tuple[dict[str, torch.Tensor], float, float, bool]] = []
+        for group in split_rows(lengths, self.cfg.train.micro_batch_tokens):
+            width = max(lengths[i] for i in group)
+            micro_rows = rows[torch.tensor(group, device=rows.device)]
+            micro = take_rows(batch, micro_rows, width)
+            scale = micro_batch_scale(minibatch_weights[group, :width], micro.action_mask, algo)
+            out = token_logprobs(self.model, micro.input_ids, micro.attention_mask, with_entropy=True,
+                                 with_hidden=self.value_head is not None)
+            ref = None if ref_all is None or algo.kl_in_reward else ref_all[micro_rows, :width]
+            loss, metrics = policy_objective(logp=out["logp"], old_logp=micro.behaviour_logprobs,
+                                             advantages=advantages[micro_rows, :width], mask=micro.action_mask,
+                                             cfg=algo, ref_logp=ref, entropy=out["entropy"],
+                                             prox_logp=prox_all[micro_rows, :width])
+            if self.value_head is not None and old_values is not None:
+                new_values = self.value_head(micro.input_ids, micro.attention_mask, out["hidden"])
+                vloss, vmetrics = value_loss(new_values, old_values[micro_rows, :width],
+                                             returns[micro_rows, :width], micro.action_mask, algo)
+                loss = loss + algo.value_coef * vloss
+                metrics.update(vmetrics)
+            if not torch.isfinite(loss):
+                return None, len(parts) + 1
+            (loss * scale).backward()
+            micro_tokens = int(micro.action_mask.sum())
+            parts.append((metrics, scale, micro_tokens / max(1, action_tokens), micro_tokens > 0))
+        return combine_micro_metrics(parts), len(parts)
 
     @staticmethod
     def _groups(trajectories: Sequence[Trajectory]) -> list[list[Trajectory]]:
@@ -505,10 +680,16 @@ class Trainer:
             for stale in ("metrics.jsonl", "alarms.jsonl"):
                 if (self.run_dir / stale).exists():
                     (self.run_dir / stale).unlink()
+            heldout: dict[str, Any] = {}
+            if self.cfg.train.eval_base and self.cfg.warm_start.demos > 0:
+                base = self.evaluate()
+                heldout["base"] = self.last_eval_report
+                self.progress("eval_base", base)
             warm = self.warm_start()
             self._freeze_reference()
             before = self.evaluate()
-            self.summary = {"eval_success_before_rl": before["eval/success"], **warm}
+            heldout["warm_start"] = self.last_eval_report
+            self.summary = {"eval_success_before_rl": before["eval/success"], **warm, "heldout": heldout}
             logger.log(0, {**warm, **before})
             monitor.update(0, before)
             self.progress("eval", {"step": 0, **before})
@@ -530,6 +711,8 @@ class Trainer:
                 self.publish(engine, step)
                 if step % self.cfg.train.eval_every == 0 or step == total:
                     row.update(self.evaluate())
+                    if step == total:  # kept in the checkpoint with the summary
+                        self.summary.setdefault("heldout", {})["final"] = self.last_eval_report
                 self.step = step
                 events = monitor.update(step, row)
                 row.update({f"alarm/{event.name}": 1.0 for event in events})
@@ -549,7 +732,22 @@ class Trainer:
             evals = [row["eval/success"] for row in last if "eval/success" in row]
             self.summary.update({"eval_success_after_rl": evals[-1] if evals else None, "steps": self.step,
                                  "skipped_updates": self.skipped_steps, "preset": self.cfg.algo.preset})
+            self.summary.update(_lift_summary(self.summary.get("heldout", {})))
             self.summary["plots"] = [str(p) for p in plot_run(self.run_dir)]
             (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
         return self.summary
 
+
+def _lift_summary(heldout: dict[str, Any]) -> dict[str, Any]:
+    """Held-out strict success and partial credit (with standard errors) at base, after the warm
+    start and at the end of RL, and RL's own lift (final - warm start) with its paired error."""
+    out: dict[str, Any] = {}
+    for stage in ("base", "warm_start", "final"):
+        report = heldout.get(stage)
+        if report:
+            out[f"heldout_{stage}"] = {key: report[key] for key in ("tasks", "success", "success_se",
+                                                                    "partial", "partial_se")}
+    if heldout.get("warm_start") and heldout.get("final"):
+        lift, lift_se = paired_difference(heldout["warm_start"]["task_success"], heldout["final"]["task_success"])
+        out["rl_lift"] = {"success": lift, "success_se": lift_se}
+    return out
