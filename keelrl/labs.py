@@ -601,7 +601,9 @@ def lab_settings(name: str, overrides: Sequence[str] = (), quick: bool = False) 
     """The overrides every training run of lab `name` starts from; the user's come last and win."""
     base = LABS[name][2]
     quick_settings = (QUICK_GUESS if "env.name=guess" in base else QUICK) if quick else []
-    return [*LAB_FAST, *base, *quick_settings, *overrides]
+    from keelrl.config import TINY_RUN
+
+    return [*TINY_RUN, *LAB_FAST, *base, *quick_settings, *overrides]
 
 
 def run_lab(name: str, out: str | Path | None = None, overrides: Sequence[str] = (), quick: bool = False,

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from keelrl.alarms import AlarmMonitor, distinct_patches
-from keelrl.config import MonitorConfig, load_config
+from keelrl.config import TINY_RUN, MonitorConfig, load_config
 from keelrl.errors import ConfigError
 from keelrl.rollout.trajectory import Trajectory
 
@@ -127,7 +127,7 @@ def test_a_run_stops_on_its_alarm_and_writes_samples_around_it(tmp_path_factory)
                                   TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128,
                                                 max_positions=2048))
     run_dir = tmp_path_factory.mktemp("run")
-    cfg = load_config(overrides=[
+    cfg = load_config(overrides=[*TINY_RUN, 
         f"run_dir={run_dir}", f"model.path={model_dir}", "rollout.engine=sync", "train.steps=4",
         "monitor.is_weight_max=1e-6", "monitor.stop_on=[importance_weight]", "train.eval_tasks=2",
         "warm_start.demos=4", "warm_start.epochs=1", "rollout.tasks_per_step=2", "rollout.group_size=2",

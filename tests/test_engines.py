@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from keelrl.algos import AlgoConfig, policy_objective
-from keelrl.config import load_config
+from keelrl.config import TINY_RUN, load_config
 from keelrl.envs.base import CheckResult, Grade
 from keelrl.errors import ConfigError
 from keelrl.policy.model import load_policy
@@ -162,7 +162,7 @@ class RecordingTrainer(Trainer):
 def test_async_engine_at_zero_staleness_reproduces_the_sync_engine(model_dir, tmp_path):
     runs = {}
     for engine in ("sync", "async"):
-        cfg = load_config(overrides=[f"run_dir={tmp_path / engine}", f"model.path={model_dir}",
+        cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path / engine}", f"model.path={model_dir}",
                                      f"rollout.engine={engine}", "rollout.max_staleness=0", *FAST])
         trainer = RecordingTrainer(cfg)
         trainer.run()

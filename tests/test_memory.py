@@ -10,6 +10,7 @@ micro-batched gradients must match to float64 rounding, not to a loose tolerance
 from __future__ import annotations
 
 import json
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -109,7 +110,7 @@ def test_micro_batched_gradients_equal_one_pass_for_every_aggregation_mode(ratio
         want_grads = torch.autograd.grad(loss + algo.value_coef * vloss, params)
         # Micro-batches of at most 40 padded tokens, longest first: 30 | 30 | 23 | 15,11 | 7.
         learner = SimpleNamespace(cfg=SimpleNamespace(algo=algo, train=SimpleNamespace(micro_batch_tokens=40)),
-                                  model=model, value_head=critic)
+                                  model=model, value_head=critic, autocast=contextlib.nullcontext)
         for p in params:
             p.grad = None
         got, passes = Trainer.accumulate_gradients(learner, batch, rows, advantages, returns,  # type: ignore[arg-type]
@@ -128,7 +129,7 @@ def test_a_row_longer_than_the_budget_runs_alone():
     algo = algo_config("token_mean", "token")
     rows = torch.arange(len(LENGTHS))
     learner = SimpleNamespace(cfg=SimpleNamespace(algo=algo, train=SimpleNamespace(micro_batch_tokens=5)),
-                              model=model, value_head=None)
+                              model=model, value_head=None, autocast=contextlib.nullcontext)
     zeros = torch.zeros(batch.input_ids.shape, dtype=torch.float64)
     advantages = torch.randn(batch.input_ids.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     with torch.no_grad():
@@ -204,7 +205,7 @@ def test_a_non_linear_aggregation_cannot_be_split_and_says_so(monkeypatch):
 
 
 def test_a_step_logs_memory_and_micro_batches(tmp_path):
-    from keelrl.config import load_config
+    from keelrl.config import TINY_RUN, load_config
     from keelrl.envs.guess import BinarySearchTeacher
     from keelrl.errors import ConfigError
     from keelrl.rollout.agent_loop import run_episodes, scripted_actor
@@ -212,7 +213,7 @@ def test_a_step_logs_memory_and_micro_batches(tmp_path):
 
     spec = TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, max_positions=2048)
     model_dir = save_tiny_default(tmp_path / "model", spec)
-    cfg = load_config(overrides=[
+    cfg = load_config(overrides=[*TINY_RUN, 
         f"run_dir={tmp_path / 'run'}", f"model.path={model_dir}", "env.name=guess", "env.max_turns=6",
         "train.micro_batch_tokens=64", "train.gradient_checkpointing=true", "train.minibatch_size=4",
         "warm_start.demos=2", "warm_start.epochs=1", "warm_start.batch_size=2", "train.sample_trajectories=0"])
@@ -230,3 +231,35 @@ def test_a_step_logs_memory_and_micro_batches(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(overrides=["train.micro_batch_tokens=0"])
     assert info.value.field == "train.micro_batch_tokens"
+
+
+def test_logprobs_at_chosen_positions_equal_the_full_pass_there_and_give_the_same_gradients():
+    """The head run only where the loss reads (`positions`) changes nothing the loss sees."""
+    import torch
+
+    from keelrl.policy.model import token_logprobs
+    from keelrl.policy.tiny import TinyModelSpec, build_tiny_model
+
+    torch.manual_seed(0)
+    model = build_tiny_model(TinyModelSpec(layers=2, hidden=32, heads=4, kv_heads=2, intermediate=64), 264, 0, 1)
+    model = model.double()
+    ids = torch.randint(2, 264, (3, 23))
+    attention = torch.ones_like(ids)
+    attention[2, 17:] = 0
+    positions = torch.rand(3, 23) < 0.4
+    positions[:, 0] = True  # position 0 has nothing before it: 0 either way
+    full = token_logprobs(model, ids, attention, with_entropy=True, chunk_size=5)
+    part = token_logprobs(model, ids, attention, with_entropy=True, chunk_size=5, positions=positions)
+    chosen = positions.clone()
+    chosen[:, 0] = False
+    for key in ("logp", "entropy"):
+        torch.testing.assert_close(part[key][chosen], full[key][chosen], rtol=1e-12, atol=1e-12)
+        assert (part[key][~chosen] == 0).all()
+    grads = []
+    for out in (full, part):
+        model.zero_grad()
+        loss = (out["logp"] * chosen).sum() + 0.3 * (out["entropy"] * chosen).sum()
+        loss.backward(inputs=list(model.parameters()))
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

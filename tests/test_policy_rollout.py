@@ -286,3 +286,29 @@ def test_rejected_actions_are_counted_per_trajectory(tiny):
                                 scripted_actor(tokenizer, [lambda prompt, turns: script[len(turns)]]),
                                 RolloutConfig(max_turns=4))
     assert trajectory.action_errors == 2 and len(trajectory.actions) == 4 and trajectory.success
+
+
+def test_learner_autocast_runs_the_body_in_bf16_and_the_head_in_float32(tiny):
+    from keelrl.policy.model import _head_logprobs, learner_autocast
+
+    model, tokenizer = tiny
+    cpu = torch.device("cpu")
+    assert isinstance(learner_autocast(cpu, "float32"), type(learner_autocast(cpu, "float32")))
+    with pytest.raises(ValueError, match="valid: auto, float32, bfloat16"):
+        learner_autocast(cpu, "fp8")
+    ids = torch.tensor([tokenizer("<|user|>fix the retry bug<|end|><|assistant|><call>read</call>")["input_ids"]])
+    mask = torch.ones_like(ids)
+    plain = token_logprobs(model, ids, mask)["logp"]
+    seen = []
+    hook = model.model.layers[0].mlp.up_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    with learner_autocast(cpu, "bfloat16"):
+        mixed = token_logprobs(model, ids, mask)["logp"]
+        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        head_logp, _ = _head_logprobs(model.get_output_embeddings(), hidden[:, :-1], ids[:, 1:], False)
+    hook.remove()
+    assert seen and set(seen) == {torch.bfloat16}  # the body's matrix products really ran in bf16
+    assert mixed.dtype == torch.float32 and not torch.equal(mixed, plain)
+    torch.testing.assert_close(mixed, plain, rtol=0, atol=0.05)  # bf16 body noise, nothing worse
+    # the head saw float32 inputs and weights: equal to a float32 head on the same hidden states
+    reference = torch.log_softmax(hidden[:, :-1].float() @ model.get_output_embeddings().weight.T, -1)
+    torch.testing.assert_close(head_logp, reference.gather(-1, ids[:, 1:, None])[..., 0], rtol=1e-5, atol=1e-5)

@@ -9,7 +9,7 @@ import threading
 import pytest
 import ray
 
-from keelrl.config import load_config
+from keelrl.config import TINY_RUN, load_config
 from keelrl.envs.coding_tasks import bundled_tasks
 from keelrl.policy.model import load_policy
 from keelrl.policy.sampling import SamplingConfig
@@ -36,7 +36,7 @@ def model_dir(tmp_path_factory):
 
 
 def test_ray_engine_trains_the_tiny_model(cluster, model_dir, tmp_path):
-    cfg = load_config(overrides=[
+    cfg = load_config(overrides=[*TINY_RUN, 
         f"run_dir={tmp_path}", f"model.path={model_dir}", "rollout.engine=ray", "rollout.workers=2",
         "rollout.max_staleness=1", "train.steps=3", "train.eval_tasks=2", "train.eval_every=10",
         "warm_start.demos=4", "warm_start.epochs=1", "rollout.tasks_per_step=2", "rollout.group_size=2",

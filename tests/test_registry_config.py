@@ -231,3 +231,11 @@ def test_yaml_1_1_exponent_floats_are_accepted(tmp_path):
     assert load_config(tmp_path / "c.yaml").algo.entropy_coef == 1e-3
     with pytest.raises(ConfigError):
         load_config(overrides=["algo.eps_high=4e-4x"])
+
+
+def test_default_and_tiny_yaml_spell_out_the_default_run_and_the_tiny_recipe():
+    from keelrl.config import TINY_RUN, to_dict
+
+    assert to_dict(load_config(REPO / "configs" / "default.yaml")) == to_dict(load_config())
+    assert to_dict(load_config(REPO / "configs" / "tiny.yaml")) == to_dict(load_config(overrides=list(TINY_RUN)))
+    assert load_config().model.path == "smollm2"

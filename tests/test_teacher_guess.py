@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from keelrl.config import load_config
+from keelrl.config import TINY_RUN, load_config
 from keelrl.envs.base import CheckResult, run_episode
 from keelrl.errors import ConfigError
 from keelrl.envs.coding import CodingEnv
@@ -299,7 +299,7 @@ def test_trainer_runs_on_the_guessing_game(tmp_path):
 
     model_dir = save_tiny_default(tmp_path / "model", TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2,
                                                                     intermediate=128, max_positions=2048))
-    cfg = load_config(overrides=[f"run_dir={tmp_path / 'run'}", f"model.path={model_dir}", "env.name=guess",
+    cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path / 'run'}", f"model.path={model_dir}", "env.name=guess",
                                  "env.max_turns=5", "warm_start.demos=16", "warm_start.epochs=1",
                                  "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=12",
                                  "train.steps=2", "train.eval_tasks=4", "rollout.engine=sync"])
@@ -353,7 +353,7 @@ def test_guess_verifier_names_are_checked():
 def test_trainer_trains_on_the_weak_guess_verifier_and_evaluates_with_strong(tmp_path):
     from keelrl.train.trainer import Trainer
 
-    trainer = Trainer(load_config(overrides=[f"run_dir={tmp_path}", "env.name=guess", "env.verifier=weak",
+    trainer = Trainer(load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path}", "env.name=guess", "env.verifier=weak",
                                              "warm_start.demos=0"]))
     train_env, eval_env = trainer.train_env_factory()(), trainer._env(training=False)()
     assert (train_env.verifier, eval_env.verifier) == ("weak", "strong")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from keelrl.config import load_config
+from keelrl.config import TINY_RUN, load_config
 from keelrl.policy.tiny import TinyModelSpec, save_tiny_default
 from keelrl.train.trainer import Trainer
 
@@ -32,7 +32,8 @@ def metrics(run_dir: Path) -> list[dict]:
 def test_keel_train_cli_smoke_writes_every_output(model_dir, tmp_path):
     run_dir = tmp_path / "run"
     exe = Path(sys.executable).parent / "keel"
-    result = subprocess.run([str(exe), "train", f"run_dir={run_dir}", f"model.path={model_dir}", "train.steps=2",
+    result = subprocess.run([str(exe), "train", *TINY_RUN, "train.eval_base=true", f"run_dir={run_dir}",
+                             f"model.path={model_dir}", "train.steps=2",
                              *FAST], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = metrics(run_dir)
@@ -63,7 +64,7 @@ def test_keel_train_cli_smoke_writes_every_output(model_dir, tmp_path):
 
 @pytest.mark.parametrize("preset, critic", [("ppo", "head"), ("ppo", "success_token"), ("grpo", "head")])
 def test_presets_train_a_model_given_by_path(model_dir, tmp_path, preset, critic):
-    cfg = load_config(overrides=[f"run_dir={tmp_path / preset}", f"model.path={model_dir}", f"algo.preset={preset}",
+    cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path / preset}", f"model.path={model_dir}", f"algo.preset={preset}",
                                  f"model.critic={critic}", "train.steps=2", *FAST])
     trainer = Trainer(cfg)
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
@@ -80,7 +81,7 @@ def test_presets_train_a_model_given_by_path(model_dir, tmp_path, preset, critic
 
 def test_a_resumed_run_repeats_the_uninterrupted_one(model_dir, tmp_path):
     # Exact repetition needs the sync engine: under async, which turn sees which weights is timing.
-    overrides = [f"model.path={model_dir}", "rollout.engine=sync", "train.steps=4", "train.checkpoint_every=2", "train.eval_every=4", *FAST]
+    overrides = [*TINY_RUN, f"model.path={model_dir}", "rollout.engine=sync", "train.steps=4", "train.checkpoint_every=2", "train.eval_every=4", *FAST]
     full = tmp_path / "full"
     Trainer(load_config(overrides=[f"run_dir={full}", *overrides])).run()
     part = tmp_path / "part"
@@ -118,7 +119,7 @@ def test_a_non_finite_loss_is_skipped_counted_and_logged(model_dir, tmp_path, mo
         loss, metrics = real(**kwargs)
         return loss * float("nan"), metrics
 
-    cfg = load_config(overrides=[f"run_dir={tmp_path}", f"model.path={model_dir}", "train.steps=1", *FAST])
+    cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path}", f"model.path={model_dir}", "train.steps=1", *FAST])
     trainer = Trainer(cfg)
     trainer.warm_start = lambda: {}  # type: ignore[method-assign]
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
@@ -133,7 +134,7 @@ def test_a_non_finite_loss_is_skipped_counted_and_logged(model_dir, tmp_path, mo
 def test_the_kl_reference_is_the_policy_as_rl_starts(model_dir, tmp_path):
     import torch
 
-    cfg = load_config(overrides=[f"run_dir={tmp_path}", f"model.path={model_dir}", "train.steps=0",
+    cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path}", f"model.path={model_dir}", "train.steps=0",
                                  "algo.preset=grpo", *FAST])
     trainer = Trainer(cfg)
     initial = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
@@ -143,3 +144,23 @@ def test_the_kl_reference_is_the_policy_as_rl_starts(model_dir, tmp_path):
     assert any(not torch.equal(warm[name], initial[name]) for name in initial)  # the warm start trained it
     assert all(torch.equal(reference[name], warm[name].detach()) for name in warm)
     assert (tmp_path / "reference" / "config.json").exists()
+
+
+def test_evaluation_in_bf16_uses_a_cast_copy_of_the_current_weights(model_dir, tmp_path):
+    import torch
+
+    cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path}", f"model.path={model_dir}", "train.eval_dtype=bfloat16",
+                                 *FAST])
+    trainer = Trainer(cfg)
+    first = trainer.evaluate()
+    assert first["eval/tasks"] == 3 and trainer.model.dtype == torch.float32
+    with torch.no_grad():  # an update: the next evaluation must see it
+        for p in trainer.model.parameters():
+            p.add_(0.01)
+    trainer.evaluate()
+    copy = trainer._eval_copy
+    assert copy is not None and copy.dtype == torch.bfloat16
+    for (name, p), (_, q) in zip(trainer.model.named_parameters(), copy.named_parameters()):
+        assert torch.equal(q, p.detach().to(torch.bfloat16)), name
+    with pytest.raises(Exception, match="eval_dtype"):
+        load_config(overrides=["train.eval_dtype=fp8"])

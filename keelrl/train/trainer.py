@@ -32,6 +32,7 @@ memory/rss_gb and, on CUDA, memory/cuda_peak_gb (peak since the previous step's 
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -55,8 +56,8 @@ from keelrl.envs.teacher import ScriptedTeacher
 from keelrl.alarms import PATCH_TOOLS, AlarmEvent, AlarmMonitor, distinct_patches
 from keelrl.monitor import MetricsLogger, plot_run, read_metrics
 from keelrl.policy.critic import build_critic
-from keelrl.policy.model import (chunked_token_logprobs, load_policy, resolve_device, row_lengths, split_rows,
-                                 token_logprobs)
+from keelrl.policy.model import (chunked_token_logprobs, cpu_has_amx_bf16, learner_autocast, load_policy, resolve_device, row_lengths,
+                                 split_rows, token_logprobs)
 from keelrl.policy.sampling import SamplingConfig
 from keelrl.rollout.agent_loop import RolloutConfig, model_actor, run_episodes, scripted_actor
 from keelrl.rollout.engines import LocalEngine, RolloutEngine, StepRollouts
@@ -259,6 +260,7 @@ class Trainer:
         self.step = 0
         self.skipped_steps = 0
         self.summary: dict[str, Any] = {}
+        self._eval_copy: Any = None
         self.last_eval_report: dict[str, Any] | None = None
         """The latest `evaluate`'s full report (per kind, per task), for summary.json."""
 
@@ -294,6 +296,23 @@ class Trainer:
         if self.cfg.env.tasks != "bundled":
             paths.append(Path(self.cfg.env.tasks).resolve())
         return [str(path) for path in paths]
+
+    def _eval_model(self) -> Any:
+        """The policy as evaluation samples it: itself, or a copy of its current weights in
+        `train.eval_dtype` (bf16 decoding measured 2x float32's speed on the AMX CPU here,
+        bench/bench_sampler.py; the evaluation needs no behaviour log-probs to match the learner)."""
+        auto = torch.bfloat16 if self.device.type == "cpu" and cpu_has_amx_bf16() else self.model.dtype
+        wanted = {"auto": auto, "float32": torch.float32, "bfloat16": torch.bfloat16}[self.cfg.train.eval_dtype]
+        if wanted == self.model.dtype:
+            return self.model
+        if self._eval_copy is None:
+            self._eval_copy = copy.deepcopy(self.model).to(wanted)
+        self._eval_copy.load_state_dict(self.model.state_dict())  # cast into the copy's dtype
+        return self._eval_copy.eval()
+
+    def autocast(self) -> Any:
+        """The learner's precision context (`train.learner_precision`); sampling never uses it."""
+        return learner_autocast(self.device, self.cfg.train.learner_precision)
 
     def _optimizer(self, lr: float) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self._parameters(), lr=lr, weight_decay=self.cfg.train.weight_decay)
@@ -421,9 +440,12 @@ class Trainer:
                 loss_value = 0.0
                 for group in split_rows(lengths, self.cfg.train.micro_batch_tokens):
                     micro = take_rows(batch, torch.tensor(group, device=self.device), max(lengths[r] for r in group))
-                    logp = token_logprobs(self.model, micro.input_ids, micro.attention_mask)["logp"]
+                    with self.autocast():
+                        logp = token_logprobs(self.model, micro.input_ids, micro.attention_mask,
+                                              positions=micro.action_mask)["logp"]
                     loss = -(logp * micro.action_mask).sum() / action_tokens
-                    loss.backward()
+                    if loss.requires_grad:  # rows without action tokens: nothing to learn from
+                        loss.backward()
                     loss_value += loss.item()
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.max_grad_norm)
                 optimizer.step()
@@ -439,7 +461,7 @@ class Trainer:
                                   max_new_tokens=self.cfg.rollout.max_new_tokens)
         self.model.eval()
         trajectories = run_episodes(self._env(training=False), tasks, self.tokenizer,
-                                    model_actor(self.model, self.tokenizer, sampling),
+                                    model_actor(self._eval_model(), self.tokenizer, sampling),
                                     self._rollout_cfg(1), seed=self.cfg.seed + 7919)
         report = heldout_report(trajectories, [getattr(task, "kind", "all") for task in tasks])
         self.last_eval_report = report
@@ -462,8 +484,9 @@ class Trainer:
         algo = self.cfg.algo
         mask = batch.action_mask
         budget = self.cfg.train.micro_batch_tokens
-        prox_out = chunked_token_logprobs(self.model, batch.input_ids, batch.attention_mask, max_tokens=budget,
-                                          value_fn=self.value_head)
+        with self.autocast():  # the same precision as the update's passes: fresh ratios stay 1
+            prox_out = chunked_token_logprobs(self.model, batch.input_ids, batch.attention_mask, max_tokens=budget,
+                                              value_fn=self.value_head, positions=mask)
         prox_logp = prox_out["logp"]
         log_w = (prox_logp - batch.behaviour_logprobs).masked_fill(~mask, 0.0).clamp(-algo.max_log_ratio,
                                                                                      algo.max_log_ratio)
@@ -471,8 +494,9 @@ class Trainer:
         token_rewards = outcome_to_token_rewards(batch.rewards, mask)
         ref_logp = None
         if self.reference is not None:
-            ref_logp = chunked_token_logprobs(self.reference, batch.input_ids, batch.attention_mask,
-                                              max_tokens=budget)["logp"]
+            with self.autocast():
+                ref_logp = chunked_token_logprobs(self.reference, batch.input_ids, batch.attention_mask,
+                                                  max_tokens=budget, positions=mask)["logp"]
             if algo.kl_in_reward:
                 token_rewards = kl_reward_penalty(token_rewards, batch.behaviour_logprobs, ref_logp, mask,
                                                   algo.kl_coef, algo.kl_estimator)
@@ -579,8 +603,9 @@ class Trainer:
             micro_rows = rows[torch.tensor(group, device=rows.device)]
             micro = take_rows(batch, micro_rows, width)
             scale = micro_batch_scale(minibatch_weights[group, :width], micro.action_mask, algo)
-            out = token_logprobs(self.model, micro.input_ids, micro.attention_mask, with_entropy=True,
-                                 with_hidden=self.value_head is not None)
+            with self.autocast():
+                out = token_logprobs(self.model, micro.input_ids, micro.attention_mask, with_entropy=True,
+                                     with_hidden=self.value_head is not None, positions=micro.action_mask)
             ref = None if ref_all is None or algo.kl_in_reward else ref_all[micro_rows, :width]
             loss, metrics = policy_objective(logp=out["logp"], old_logp=micro.behaviour_logprobs,
                                              advantages=advantages[micro_rows, :width], mask=micro.action_mask,
@@ -594,7 +619,8 @@ class Trainer:
                 metrics.update(vmetrics)
             if not torch.isfinite(loss):
                 return None, len(parts) + 1
-            (loss * scale).backward()
+            if loss.requires_grad:  # a micro-batch without action tokens has no graph: nothing to add
+                (loss * scale).backward()
             micro_tokens = int(micro.action_mask.sum())
             parts.append((metrics, scale, micro_tokens / max(1, action_tokens), micro_tokens > 0))
         return combine_micro_metrics(parts), len(parts)
@@ -682,11 +708,14 @@ class Trainer:
                     (self.run_dir / stale).unlink()
             heldout: dict[str, Any] = {}
             if self.cfg.train.eval_base and self.cfg.warm_start.demos > 0:
+                self.progress("phase", {"phase": "eval (base model)"})
                 base = self.evaluate()
                 heldout["base"] = self.last_eval_report
                 self.progress("eval_base", base)
+            self.progress("phase", {"phase": "warm start"})
             warm = self.warm_start()
             self._freeze_reference()
+            self.progress("phase", {"phase": "eval (before RL)"})
             before = self.evaluate()
             heldout["warm_start"] = self.last_eval_report
             self.summary = {"eval_success_before_rl": before["eval/success"], **warm, "heldout": heldout}
@@ -699,6 +728,7 @@ class Trainer:
             if engine.name != "sync":
                 self.publish(engine, self.step)
             engine.start(self.step)
+            self.progress("phase", {"phase": "RL"})
             while self.step < total:
                 if stop_after is not None and self.step >= stop_after:
                     break
