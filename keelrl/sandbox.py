@@ -534,8 +534,9 @@ CONTAINMENT_WAIT_S = 10.0
 def _namespace_inits(proc: subprocess.Popen) -> list[int]:
     """pidfds of unshare's children: the init of the run's PID namespace (the launcher).
 
-    unshare is alive and not reaped here, so its child cannot have been reaped and its pid
-    reused by another process between reading the list and opening the pidfd.
+    The child may exit and be reaped by unshare between reading the list and opening the
+    pidfd, and its pid be reused: a pidfd is kept only if, once open, its process still has
+    unshare as its parent (a pidfd pins its process, so the check cannot go stale).
     """
     try:
         children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
@@ -544,9 +545,17 @@ def _namespace_inits(proc: subprocess.Popen) -> list[int]:
     fds = []
     for child in children:
         try:
-            fds.append(os.pidfd_open(int(child)))
+            fd = os.pidfd_open(int(child))
         except (AttributeError, OSError):
             continue  # already exited and reaped by unshare: its namespace is gone with it
+        try:
+            parent = Path(f"/proc/{child}/status").read_text().split("PPid:")[1].split()[0]
+        except (OSError, IndexError):
+            parent = ""
+        if parent == str(proc.pid):
+            fds.append(fd)
+        else:  # exited, reaped and its pid taken by an unrelated process
+            os.close(fd)
     return fds
 
 

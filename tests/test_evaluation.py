@@ -45,3 +45,11 @@ def test_report_by_kind_and_paired_lift():
     assert lift == pytest.approx(0.5) and lift_se == pytest.approx(math.sqrt(1 / 3) / 2)
     with pytest.raises(ValueError, match="2 kinds for 4 trajectories"):
         heldout_report(rows, ["a", "b"])
+
+
+def test_an_undefined_error_is_null_so_the_report_is_valid_json():
+    import json
+
+    report = heldout_report([_trajectory("a", True, 1.0), _trajectory("b", False, 0.5)], ["x", "y"])
+    assert report["by_kind"]["x"]["success_se"] is None and report["success_se"] is not None
+    json.dumps(report, allow_nan=False)  # raises on NaN

@@ -312,3 +312,13 @@ def test_learner_autocast_runs_the_body_in_bf16_and_the_head_in_float32(tiny):
     # the head saw float32 inputs and weights: equal to a float32 head on the same hidden states
     reference = torch.log_softmax(hidden[:, :-1].float() @ model.get_output_embeddings().weight.T, -1)
     torch.testing.assert_close(head_logp, reference.gather(-1, ids[:, 1:, None])[..., 0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_sampler_longer_than_the_rollouts_reserve_is_refused(tiny):
+    """An action longer than the room the scheduler keeps could overflow max_context_tokens."""
+    model, tokenizer = tiny
+    teacher_task = retry_task()
+    with pytest.raises(ValueError, match="max_new_tokens=40 is more than the 16 tokens"):
+        run_episodes(lambda: CodingEnv(), [teacher_task], tokenizer,
+                     model_actor(model, tokenizer, SamplingConfig(max_new_tokens=40)),
+                     RolloutConfig(max_turns=1, max_new_tokens=16))

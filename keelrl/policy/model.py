@@ -129,7 +129,7 @@ def token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor, *, chu
     recompute = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
     if positions is not None:
         rows, steps = positions[:, 1:].nonzero(as_tuple=True)  # token steps+1 is predicted at steps
-        flat_chunk = chunk_size * 8  # rows of [N, H]: the same memory as a [B, chunk, H] slice at B = 8
+        flat_chunk = chunk_size  # positions per head call: [chunk, V] logits, as one row's chunk
         for start in range(0, rows.numel(), flat_chunk):
             row, step = rows[start:start + flat_chunk], steps[start:start + flat_chunk]
             piece, targets = hidden[row, step].unsqueeze(0), input_ids[row, step + 1].unsqueeze(0)  # [1, n, H]

@@ -262,6 +262,9 @@ def _build_atomically(directory: Path, name: str, source_sha256: str | None, bui
             marker = {"name": name, "source_sha256": source_sha256,
                       "converted_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                       "phase_seconds": tracker.seconds}
+            for built in partial.rglob("*"):  # save_pretrained writes some files 0600; a cache is not private
+                if built.is_file():
+                    built.chmod(0o644)
             (partial / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
             stale = None
             if directory.exists():  # incomplete or outdated: move it aside, since rename needs an empty target

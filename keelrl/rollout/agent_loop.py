@@ -55,6 +55,11 @@ def model_actor(model: Any, tokenizer: Any, sampling: SamplingConfig) -> ActFn:
     def act(active: Sequence[Episode]) -> list[tuple[list[int], list[float], str]]:
         import torch
 
+        reserved = min(episode.reserved for episode in active)
+        if sampling.max_new_tokens > reserved:
+            raise ValueError(f"sampling.max_new_tokens={sampling.max_new_tokens} is more than the "
+                             f"{reserved} tokens the rollout reserves for an action (RolloutConfig."
+                             f"max_new_tokens): an action could overflow max_context_tokens")
         uniforms = torch.stack([draw_uniforms(episode.generator, sampling.max_new_tokens) for episode in active])
         samples = sample(model, tokenizer, [episode.trajectory.token_ids for episode in active], sampling,
                          uniforms=uniforms)

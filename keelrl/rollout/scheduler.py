@@ -35,6 +35,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from keelrl.policy.chat import ChatFormat
+from keelrl.policy.sampling import SamplingConfig
 from keelrl.rollout.trajectory import Trajectory
 
 
@@ -70,9 +71,10 @@ class RolloutConfig:
     max_turns: int = 8
     max_context_tokens: int = 3072
     """An episode whose context would exceed this ends with termination 'context_limit'."""
-    max_new_tokens: int = 16
-    """Room kept for the next action: an episode stops ('context_limit') before a turn that
-    could push its context past `max_context_tokens`, never truncating anything."""
+    max_new_tokens: int = SamplingConfig.max_new_tokens
+    """Room kept for the next action (set it to the sampler's `max_new_tokens`): an episode
+    stops ('context_limit') before a turn that could push its context past
+    `max_context_tokens`, never truncating anything."""
     env_threads: int = 4
     """Threads running environment work (resets, tool calls, gradings)."""
     interruptible: bool = True
@@ -109,6 +111,8 @@ class Episode:
     trajectory: Trajectory
     generator: torch.Generator
     turn: int = 0
+    reserved: int = 1 << 30
+    """Tokens the scheduler reserved for this episode's next action (`RolloutConfig.max_new_tokens`)."""
     last_action: list[int] = field(default_factory=list)
     """Token ids of the latest action (its observation is laid out after it)."""
     started: float = 0.0
@@ -246,7 +250,8 @@ class EpisodeScheduler:
                                   trajectory=Trajectory(task_id=str(getattr(request.task, "id", request.task)),
                                                         group_id=request.group_id if request.group_id >= 0
                                                         else request.index),
-                                  generator=episode_generator(request.seed, attempt), started=time.monotonic())
+                                  generator=episode_generator(request.seed, attempt), started=time.monotonic(),
+                                  reserved=self.cfg.max_new_tokens)
                 self._episodes_admitted += 1
                 self._groups[request.index].append(episode)
                 self._futures[self.pool.submit(self._timed, episode.env.reset, request.task)] = ("reset", episode)

@@ -29,16 +29,21 @@ def mean_and_se(values: Sequence[float]) -> tuple[float, float]:
     return mean, math.sqrt(variance / n)
 
 
+def finite_or_none(value: float) -> float | None:
+    """JSON has no NaN: an undefined error (one task) is written as null."""
+    return value if math.isfinite(value) else None
+
+
 def heldout_report(trajectories: Sequence[Trajectory], kinds: Sequence[str]) -> dict[str, Any]:
     """Success and partial credit (mean, se) overall and per kind; `kinds[i]` is trajectory i's kind."""
     if len(kinds) != len(trajectories):
         raise ValueError(f"{len(kinds)} kinds for {len(trajectories)} trajectories")
 
-    def block(rows: Sequence[Trajectory]) -> dict[str, float]:
+    def block(rows: Sequence[Trajectory]) -> dict[str, float | None]:
         success, success_se = mean_and_se([float(t.success) for t in rows])
         partial, partial_se = mean_and_se([float(t.partial) for t in rows])
-        return {"tasks": len(rows), "success": success, "success_se": success_se,
-                "partial": partial, "partial_se": partial_se}
+        return {"tasks": len(rows), "success": success, "success_se": finite_or_none(success_se),
+                "partial": partial, "partial_se": finite_or_none(partial_se)}
 
     by_kind: dict[str, list[Trajectory]] = defaultdict(list)
     for trajectory, kind in zip(trajectories, kinds):

@@ -65,7 +65,7 @@ from keelrl.rollout.scheduler import GroupRequest
 from keelrl.rollout.trajectory import Batch, Trajectory, collate
 from keelrl.sandbox import Sandbox, default_hidden_paths
 from keelrl.train.dynamic import fill_batch
-from keelrl.train.evaluation import heldout_report, paired_difference
+from keelrl.train.evaluation import finite_or_none, heldout_report, paired_difference
 from keelrl.verifiers import DEFAULT_LIMITS, make_verifier
 
 
@@ -701,6 +701,8 @@ class Trainer:
             logger.truncate_after(self.step)
             for old in read_metrics(self.run_dir):  # replay: alarms that fired before stay fired
                 monitor.update(int(old["step"]), old)
+            if self.step < self.cfg.train.steps:  # resumed to go further: the old end is not the end
+                self.summary.get("heldout", {}).pop("final", None)
             self.progress("resumed", {"step": self.step})
         else:
             for stale in ("metrics.jsonl", "alarms.jsonl"):
@@ -779,5 +781,5 @@ def _lift_summary(heldout: dict[str, Any]) -> dict[str, Any]:
                                                                     "partial", "partial_se")}
     if heldout.get("warm_start") and heldout.get("final"):
         lift, lift_se = paired_difference(heldout["warm_start"]["task_success"], heldout["final"]["task_success"])
-        out["rl_lift"] = {"success": lift, "success_se": lift_se}
+        out["rl_lift"] = {"success": lift, "success_se": finite_or_none(lift_se)}
     return out
