@@ -23,9 +23,6 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-DEFAULT_TINY_DIR = Path.home() / ".cache" / "keelrl" / "tiny-default"
-
-
 def resolve_device(name: str = "auto") -> torch.device:
     """auto -> cuda if available else cpu; otherwise the named device (checked to exist)."""
     if name == "auto":
@@ -127,17 +124,19 @@ def token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor, *, chu
     logp = hidden.new_zeros(batch, length, dtype=dtype)
     entropy = hidden.new_zeros(batch, length, dtype=dtype) if with_entropy else None
     recompute = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
+
+    def head_pass(piece: Tensor, targets: Tensor) -> tuple[Tensor, Tensor | None]:
+        if recompute:
+            return checkpoint(_head_logprobs, head, piece, targets, with_entropy, use_reentrant=False)
+        return _head_logprobs(head, piece, targets, with_entropy)
+
     if positions is not None:
         rows, steps = positions[:, 1:].nonzero(as_tuple=True)  # token steps+1 is predicted at steps
         flat_chunk = chunk_size  # positions per head call: [chunk, V] logits, as one row's chunk
         for start in range(0, rows.numel(), flat_chunk):
             row, step = rows[start:start + flat_chunk], steps[start:start + flat_chunk]
             piece, targets = hidden[row, step].unsqueeze(0), input_ids[row, step + 1].unsqueeze(0)  # [1, n, H]
-            if recompute:
-                chunk_logp, chunk_entropy = checkpoint(_head_logprobs, head, piece, targets, with_entropy,
-                                                       use_reentrant=False)
-            else:
-                chunk_logp, chunk_entropy = _head_logprobs(head, piece, targets, with_entropy)
+            chunk_logp, chunk_entropy = head_pass(piece, targets)
             logp = logp.index_put((row, step + 1), chunk_logp[0])
             if entropy is not None and chunk_entropy is not None:
                 entropy = entropy.index_put((row, step + 1), chunk_entropy[0])
@@ -145,11 +144,7 @@ def token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor, *, chu
     for start in range(0, length - 1, chunk_size):
         stop = min(start + chunk_size, length - 1)
         piece, targets = hidden[:, start:stop], input_ids[:, start + 1:stop + 1]
-        if recompute:
-            chunk_logp, chunk_entropy = checkpoint(_head_logprobs, head, piece, targets, with_entropy,
-                                                   use_reentrant=False)
-        else:
-            chunk_logp, chunk_entropy = _head_logprobs(head, piece, targets, with_entropy)
+        chunk_logp, chunk_entropy = head_pass(piece, targets)
         logp[:, start + 1:stop + 1] = chunk_logp
         if entropy is not None:
             entropy[:, start + 1:stop + 1] = chunk_entropy
