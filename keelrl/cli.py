@@ -114,6 +114,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from keelrl.config import load_config
+    from keelrl.train.checkpoint import CheckpointError
     from keelrl.train.trainer import Trainer
 
     if args.resume:
@@ -155,7 +156,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
             else:
                 progress.update(bar, latest=f"{event}: " + ", ".join(f"{k}={v}" for k, v in info.items()))
 
-        summary = Trainer(cfg, progress=report).run(resume=bool(args.resume))
+        try:
+            summary = Trainer(cfg, progress=report).run(resume=bool(args.resume))
+        except CheckpointError as error:
+            progress.stop()
+            print(f"keel: cannot resume: {error}", file=sys.stderr)
+            return 2
     console.print_json(data=summary)
     return 0
 
@@ -164,8 +170,18 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from keelrl.config import load_config
     from keelrl.train.trainer import Trainer
 
+    from keelrl.train.checkpoint import CheckpointError, latest_checkpoint
+
     run_dir = Path(args.run_dir)
-    cfg = load_config(run_dir / "config.yaml", [f"model.path={run_dir / 'checkpoint' / 'model'}", *args.overrides])
+    try:
+        checkpoint = latest_checkpoint(run_dir)
+    except CheckpointError as error:
+        print(f"keel: {error}", file=sys.stderr)
+        return 2
+    if checkpoint is None:
+        print(f"keel: no checkpoint in {str(run_dir)!r} (no checkpoint.json)", file=sys.stderr)
+        return 2
+    cfg = load_config(run_dir / "config.yaml", [f"model.path={checkpoint / 'model'}", *args.overrides])
     result = Trainer(cfg).evaluate()
     print(json.dumps(result, indent=2))
     return 0

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import inspect
+import math
 import re
 import textwrap
 import types
@@ -28,7 +30,7 @@ from keelrl.errors import ConfigError
 T = TypeVar("T")
 
 TINY_RUN: tuple[str, ...] = (
-    "model.path=tiny", "env.show_file=false", "env.max_turns=6", "warm_start.demos=448",
+    "model.path=tiny", "env.show_file=false", "env.max_turns=6", "env.partial_credit=true", "warm_start.demos=448",
     "warm_start.mistake_rate=0.3", "warm_start.epochs=6", "warm_start.lr=2e-3", "warm_start.batch_size=16",
     "rollout.tasks_per_step=8", "rollout.group_size=4", "rollout.max_new_tokens=80",
     "rollout.max_context_tokens=2048", "rollout.engine=async", "train.steps=10", "train.lr=2e-4",
@@ -45,8 +47,8 @@ _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
 
 def _positive(**values: float) -> None:
     for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ConfigError(name, f"must be > 0, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ConfigError(name, f"must be a finite number > 0, got {value!r}")
 
 
 @dataclasses.dataclass
@@ -88,10 +90,13 @@ class EnvConfig:
     verifier: str = "strong"
     """Verifier of the training reward: strong, weak or brittle (the guessing game: strong or weak).
     Held-out evaluation always uses strong."""
-    partial_credit: bool = True
-    """Training reward = (weighted) fraction of checks passed instead of all-or-nothing (the
-    tiny default rarely passes every check at first; partial credit gives its groups a signal).
-    Strict success is logged beside it either way (train/success)."""
+    partial_credit: bool = False
+    """Training reward = (weighted) fraction of checks passed instead of all-or-nothing. It gives
+    a model that rarely passes every check a signal (the tiny recipe uses it), but an untouched
+    file already passes most checks: in the SmolLM2 run, a malformed edit (the file left as it
+    was) earned 0.67 while a wrong edit earned less, and RL taught the model to stop editing
+    (action errors 25% -> 90%, held-out success 29% -> 8%). Strict success is logged beside it
+    either way (train/success)."""
     key_check_weight: float = 1.0
     """Partial credit: the key check counts this many times (each check's own task weight,
     1 by default, applies too)."""
@@ -152,6 +157,9 @@ class RolloutSettings:
     """Ray: number of rollout worker actors."""
     worker_cpus: float = 1.0
     """Ray: CPUs reserved per rollout worker actor."""
+    worker_timeout_s: float = 600.0
+    """Ray: a worker that answers no poll for this long is presumed hung and replaced, its
+    requests re-queued (a dead worker is replaced at once; a slow one is waited for)."""
     dynamic_max_extra_groups: int = 16
     """Dynamic sampling (algo.dynamic_sampling): at most this many extra groups drawn per step to
     replace groups whose rewards are all equal."""
@@ -162,7 +170,8 @@ class RolloutSettings:
         _positive(tasks_per_step=self.tasks_per_step, group_size=self.group_size,
                   temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
                   max_context_tokens=self.max_context_tokens, env_threads=self.env_threads,
-                  workers=self.workers, worker_cpus=self.worker_cpus)
+                  workers=self.workers, worker_cpus=self.worker_cpus,
+                  worker_timeout_s=self.worker_timeout_s)
         if self.top_p > 1:
             raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.engine not in ENGINES:
@@ -179,8 +188,9 @@ class TrainConfig:
 
     steps: int = 10
     """RL steps (each: rollouts, then updates)."""
-    lr: float = 5e-6
-    """AdamW learning rate of the RL phase."""
+    lr: float = 2e-5
+    """AdamW learning rate of the RL phase (SmolLM2, 10 steps: 5e-6 gave +6.7 points held-out, 2e-5
+    gave +11.5)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     warmup_steps: int = 0
@@ -233,8 +243,9 @@ class TrainConfig:
         if self.learner_precision not in ("auto", "float32", "bfloat16"):
             raise ConfigError("learner_precision", f"unknown precision {self.learner_precision!r}; "
                                                    "valid: auto, float32, bfloat16")
-        if self.steps < 0 or self.warmup_steps < 0 or self.eval_temperature < 0:
-            raise ConfigError("steps", "steps, warmup_steps and eval_temperature must be >= 0")
+        for name in ("steps", "warmup_steps", "eval_temperature"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ConfigError(name, f"must be >= 0 (and finite), got {getattr(self, name)!r}")
 
 
 @dataclasses.dataclass
@@ -254,8 +265,10 @@ class WarmStartConfig:
 
     def __post_init__(self) -> None:
         _positive(epochs=self.epochs, lr=self.lr, batch_size=self.batch_size)
-        if self.demos < 0 or not 0 <= self.mistake_rate <= 1:
-            raise ConfigError("demos", "demos must be >= 0 and mistake_rate in [0, 1]")
+        if self.demos < 0:
+            raise ConfigError("demos", f"must be >= 0, got {self.demos!r}")
+        if not 0 <= self.mistake_rate <= 1:
+            raise ConfigError("mistake_rate", f"must be in [0, 1], got {self.mistake_rate!r}")
 
 
 @dataclasses.dataclass
@@ -343,6 +356,8 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "None"
     return getattr(tp, "__name__", str(tp).replace("typing.", ""))
 
 
@@ -368,13 +383,18 @@ def _coerce(value: Any, tp: Any, field: str) -> Any:
             raise ConfigError(field, f"expected a mapping of {_type_name(tp)} fields, got {value!r}")
         return from_dict(tp, value, prefix=field)  # type: ignore[arg-type]
     if tp is float:
+        number: float | None = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 4e-4 (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads 4e-4 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            if math.isnan(number):  # every comparison with NaN is False: no range check would reject it
+                raise ConfigError(field, f"expected a float, got {value!r} (not a number)")
+            return number
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -404,12 +424,45 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else str(key)
         if key not in names:
-            raise ConfigError(path, f"unknown field; {cls.__name__} has: {', '.join(names)}")
+            nearest = _nearest_keys(cls, str(key), prefix)
+            guess = f"did you mean {' or '.join(repr(k) for k in nearest)}? " if nearest else ""
+            raise ConfigError(path, f"unknown key {path!r}; {guess}{cls.__name__} has: {', '.join(names)}")
         kwargs[key] = _coerce(value, hints[key], path)
     try:
         return cls(**kwargs)
     except ConfigError as error:
         raise (error.with_prefix(prefix) if prefix else error) from None
+
+
+def _nearest_keys(cls: type, key: str, prefix: str) -> list[str]:
+    """Valid dotted keys closest to the unknown `key` of section `cls` (at `prefix`), for "did you mean".
+
+    First a field of the section itself (train.lr_rate -> train.lr); failing that, a field with a
+    close name deeper in the section (lr at the top level -> train.lr, warm_start.lr) or, for a
+    section of the run config, in another section (train.eps_high -> algo.eps_high).
+    """
+    join = (lambda name: f"{prefix}.{name}") if prefix else (lambda name: name)
+    close = _closest(key, [f.name for f in dataclasses.fields(cls)])
+    if close is not None:
+        return [join(close)]
+    leaves = [path for path, _, _ in explain(cls, prefix=join(""))]
+    if prefix:
+        leaves += [path for path, _, _ in explain(KeelConfig) if path not in leaves]
+    by_name: dict[str, list[str]] = {}
+    for path in leaves:
+        by_name.setdefault(path.rsplit(".", 1)[-1], []).append(path)
+    close = _closest(key, list(by_name))
+    return by_name[close] if close is not None else []
+
+
+def _closest(key: str, names: list[str]) -> str | None:
+    """The name most like `key` (difflib), else the closest one sharing its first word (lr_rate -> lr)."""
+    close = difflib.get_close_matches(key, names, n=1)
+    if close:
+        return close[0]
+    head = key.split("_")[0]
+    same_head = [name for name in names if name.split("_")[0] == head]
+    return max(same_head, key=lambda name: difflib.SequenceMatcher(None, key, name).ratio(), default=None)
 
 
 def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
@@ -420,8 +473,8 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str,
             raise ConfigError(key or override, f"override {override!r} is not of the form dotted.key=value")
         try:
             value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError as error:
-            raise ConfigError(key, f"cannot parse value {raw!r}: {error}") from None
+        except (yaml.YAMLError, ValueError, RecursionError) as error:  # also: an int of > 4300 digits, deep nesting
+            raise ConfigError(key, f"cannot parse value {raw[:80]!r}: {str(error)[:200]}") from None
         node = data
         *parents, leaf = key.split(".")
         for depth, part in enumerate(parents):
@@ -441,9 +494,9 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
         if not path.is_file():
             raise ConfigError("", f"config file {str(path)!r} does not exist")
         try:
-            loaded = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as error:
-            raise ConfigError("", f"{path}: not valid YAML: {error}") from None
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except (yaml.YAMLError, ValueError, RecursionError) as error:  # ValueError: not UTF-8, huge ints
+            raise ConfigError("", f"{path}: not valid YAML: {str(error)[:300]}") from None
         if not isinstance(loaded, dict):
             raise ConfigError("", f"{path}: top level must be a mapping, got {type(loaded).__name__}")
         data = loaded

@@ -234,7 +234,8 @@ def lab_stale_ratios(out: Path, overrides: Sequence[str], quick: bool,
     learner_logp = []
     for k in range(staleness + 1):
         with torch.no_grad():
-            learner_logp.append(token_logprobs(trainer.model, batch.input_ids, batch.attention_mask)["logp"])
+            learner_logp.append(token_logprobs(trainer.model, batch.input_ids, batch.attention_mask,
+                                               temperature=cfg.rollout.temperature)["logp"])
         if k < staleness:
             progress(f"learner update {k + 1}/{staleness}")
             # Update k+1 trains on step k+1's batch (the behaviour batch first), as synchronous RL would.

@@ -23,17 +23,24 @@ def _plain(value: Any) -> Any:
 
 
 class MetricsLogger:
-    """Appends metrics to run_dir/metrics.jsonl and TensorBoard (run_dir/tb)."""
+    """Appends metrics to run_dir/metrics.jsonl and TensorBoard (run_dir/tb).
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True) -> None:
+    `resume_after=k`: a run resumed from its step-k checkpoint. metrics.jsonl first loses every
+    line of a later step (and a torn last line a kill left), atomically; TensorBoard purges
+    events after step k, so repeated steps are not plotted twice."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, resume_after: int | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
+        if resume_after is not None:
+            truncate_jsonl(self.path, resume_after)
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(self.run_dir / "tb"))
+            purge = None if resume_after is None else resume_after + 1
+            self.writer = SummaryWriter(log_dir=str(self.run_dir / "tb"), purge_step=purge)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         row = {"step": step, **{key: _plain(value) for key, value in metrics.items()}}
@@ -46,16 +53,37 @@ class MetricsLogger:
             self.writer.flush()
         return row
 
-    def truncate_after(self, step: int) -> None:
-        """Drop lines of steps after `step` (a resumed run rewrites them)."""
-        if not self.path.exists():
-            return
-        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
-
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def truncate_jsonl(path: str | Path, step: int) -> None:
+    """Keep the lines of a JSONL log whose "step" is at most `step`, replacing the file atomically.
+
+    A kill during an append leaves a torn last line: it is dropped. A line that does not parse
+    anywhere else is corruption, not a kill, and raises ValueError naming the line."""
+    from keelrl.train.checkpoint import atomic_write_text
+
+    path = Path(path)
+    if not path.exists():
+        return
+    text = path.read_text()
+    lines = text.split("\n")
+    kept = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as error:
+            torn = number == len(lines) and not text.endswith("\n")
+            if torn:
+                continue
+            raise ValueError(f"{path}:{number}: not a JSON line ({error})") from error
+        if row["step"] <= step:
+            kept.append(line)
+    atomic_write_text(path, "".join(line + "\n" for line in kept))
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

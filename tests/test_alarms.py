@@ -10,6 +10,7 @@ from keelrl.alarms import AlarmMonitor, distinct_patches
 from keelrl.config import TINY_RUN, MonitorConfig, load_config
 from keelrl.errors import ConfigError
 from keelrl.rollout.trajectory import Trajectory
+from keelrl.train.checkpoint import latest_checkpoint
 
 
 def feed(rows, **cfg):
@@ -140,7 +141,7 @@ def test_a_run_stops_on_its_alarm_and_writes_samples_around_it(tmp_path_factory)
     assert rows[-1]["alarm/importance_weight"] == 1.0 and rows[-1]["step"] == 1
     sample = (run_dir / "alarms" / "importance_weight_step_0001.txt").read_text()
     assert "exceeds" in sample and "ACTION:" in sample
-    assert (run_dir / "checkpoint" / "state.pt").exists()
+    assert latest_checkpoint(run_dir).name == "step-000001"  # the stopped run can be looked at and resumed
 
 
 def test_distinct_answers_of_the_guessing_game_are_guess_sequences():

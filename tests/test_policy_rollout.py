@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -124,6 +126,35 @@ def test_fresh_ratios_are_one_and_the_end_token_is_kept_when_pad_is_the_end_toke
     torch.testing.assert_close(ratio, torch.ones_like(ratio), rtol=0, atol=2e-5)
     for context, drawn in ended:  # the end token is an action token the learner trains on
         assert drawn.token_ids[-1] == end and len(drawn.logprobs) == len(drawn.token_ids)
+
+
+
+def test_learner_logprobs_at_the_sampling_temperature_make_fresh_ratios_one(tiny):
+    """Samples drawn at T=0.7: the learner's log-probs at the same temperature give ratio 1 on
+    every action token (the behaviour policy is the tempered one); at T=1 they do not."""
+    model, tokenizer = tiny
+    contexts = [prompt_tokens(tokenizer, f"request {i}" * (i + 1)) for i in range(4)]
+    samples = sample(model, tokenizer, contexts, SamplingConfig(0.7, 1.0, max_new_tokens=24, stop=()),
+                     generator_seed=5)
+    trajectories = [Trajectory(task_id="t", group_id=0) for _ in samples]
+    for trajectory, context, drawn in zip(trajectories, contexts, samples):
+        trajectory.extend(context, action=False, turn=0)
+        trajectory.extend(drawn.token_ids, action=True, turn=0, logprobs=drawn.logprobs)
+    batch = collate(trajectories, 0)
+    mask = batch.action_mask
+    tempered = token_logprobs(model, batch.input_ids, batch.attention_mask, temperature=0.7)["logp"]
+    ratio = torch.exp(tempered - batch.behaviour_logprobs)[mask]
+    torch.testing.assert_close(ratio, torch.ones_like(ratio), rtol=0, atol=2e-5)
+    at_action = token_logprobs(model, batch.input_ids, batch.attention_mask, temperature=0.7, positions=mask)["logp"]
+    torch.testing.assert_close(at_action[mask], tempered[mask], rtol=0, atol=1e-6)
+    untempered = token_logprobs(model, batch.input_ids, batch.attention_mask)["logp"]
+    assert (torch.exp(untempered - batch.behaviour_logprobs)[mask] - 1).abs().max() > 0.05
+    # float64 reference: log_softmax(logits / T) at each action token
+    logits = copy.deepcopy(model).double()(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    expected = torch.log_softmax(logits[:, :-1] / 0.7, -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(tempered[:, 1:][mask[:, 1:]].double(), expected[mask[:, 1:]], rtol=0, atol=1e-4)
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(model, batch.input_ids, batch.attention_mask, temperature=0.0)
 
 
 def test_chat_format_is_read_from_the_template(tiny):

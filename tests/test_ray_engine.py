@@ -1,10 +1,12 @@
-"""The Ray engine on a local 2-CPU cluster: it trains the tiny model, and survives a killed worker."""
+"""The Ray engine on a local 2-CPU cluster: it trains the tiny model, and survives a killed worker.
+Its wait loop against a stand-in Ray module with a fake clock: a slow worker is waited for, a
+dead one replaced at once, a silent one replaced after worker_timeout_s."""
 
 from __future__ import annotations
 
 import json
 import os
-import threading
+import types
 
 import pytest
 import ray
@@ -14,8 +16,8 @@ from keelrl.envs.coding_tasks import bundled_tasks
 from keelrl.policy.model import load_policy
 from keelrl.policy.sampling import SamplingConfig
 from keelrl.policy.tiny import TinyModelSpec, save_tiny_default
-from keelrl.rollout.ray_engine import RayEngine
-from keelrl.rollout.scheduler import GroupRequest, RolloutConfig
+from keelrl.rollout.ray_engine import RayEngine, init_local_ray
+from keelrl.rollout.scheduler import GroupRequest, GroupResult, RolloutConfig, SchedulerStats
 from keelrl.train.trainer import CodingEnvFactory, Trainer
 
 SMALL = TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, max_positions=2048)
@@ -25,7 +27,7 @@ SMALL = TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128
 def cluster(tmp_path_factory):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ["RAY_TMPDIR"] = str(tmp_path_factory.mktemp("ray"))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_local_ray(num_cpus=2)
     yield
     ray.shutdown()
 
@@ -69,12 +71,17 @@ def test_a_killed_worker_is_replaced_and_its_episodes_requeued(cluster, model_di
         engine.start(0)
         engine.publish(state, 0)
         victim = engine.actors[0]
-        killer = threading.Timer(1.5, lambda: ray.kill(victim, no_restart=True))
-        killer.start()  # mid-step: the victim holds requests it has not returned
+        submit = engine._submit
+
+        def submit_then_kill(requests):  # mid-step: the victim holds requests it has not returned
+            submit(requests)
+            if victim in engine.actors and engine.outstanding[engine.actors.index(victim)]:
+                ray.kill(victim, no_restart=True)
+
+        engine._submit = submit_then_kill
         results = []
         for step in range(1, 4):
             results.append(engine.batch(step))
-            killer.join()
             engine.publish(state, step)
         assert engine.workers_replaced >= 1 and engine.requests_requeued >= 1
         for step, rollouts in enumerate(results, start=1):
@@ -84,3 +91,128 @@ def test_a_killed_worker_is_replaced_and_its_episodes_requeued(cluster, model_di
         assert results[-1].metrics["engine/workers_replaced"] >= 1
     finally:
         engine.close()
+
+
+def test_ray_workers_run_at_the_drivers_priority(cluster):
+    @ray.remote(num_cpus=0)
+    def niceness():
+        return os.nice(0)
+
+    assert ray.get(niceness.remote(), timeout=600) == os.nice(0)
+
+
+class FakeRay:
+    """Enough of the `ray` module for RayEngine's wait loop, on a fake clock. Each actor's `mode`:
+    ok (answers polls at once), slow (answers only `delay` fake seconds after a poll is sent),
+    dead (every call raises RayActorError) or hung (never answers)."""
+
+    def __init__(self, modes):
+        self.now = 0.0
+        self.modes = list(modes)  # the mode of each actor in spawn order; later spawns are ok
+        self.spawned = []
+        self.killed = []
+        self.polls_sent = 0
+
+    def is_initialized(self):
+        return True
+
+    def remote(self, **_options):
+        return lambda cls: types.SimpleNamespace(remote=self._spawn)
+
+    def _spawn(self, spec):
+        actor = FakeActor(self, self.modes.pop(0) if self.modes else "ok")
+        self.spawned.append(actor)
+        return actor
+
+    def put(self, value):
+        return value
+
+    def kill(self, actor, **_options):
+        self.killed.append(actor)
+        actor.mode = "dead"
+
+    def sleep(self, seconds):
+        self.now += seconds
+
+    def wait(self, refs, num_returns, timeout):
+        self.now += timeout
+        ready = [ref for ref in refs if ref.ready(self.now)]
+        return ready, [ref for ref in refs if ref not in ready]
+
+    def get(self, ref):
+        return ref.value()
+
+
+class FakeRef:
+    def __init__(self, actor, at, result):
+        self.actor, self.at, self.result = actor, at, result
+
+    def ready(self, now):
+        return self.actor.mode == "dead" or (self.actor.mode != "hung" and now >= self.at)
+
+    def value(self):
+        from ray.exceptions import RayActorError
+
+        if self.actor.mode == "dead":
+            raise RayActorError()
+        return self.result()
+
+
+class FakeActor:
+    def __init__(self, fake, mode, delay=300.0):
+        self.fake, self.mode, self.delay = fake, mode, delay
+        self.held = []
+        self.poll = types.SimpleNamespace(remote=self._poll)
+        self.submit = types.SimpleNamespace(remote=lambda requests: self.held.extend(requests))
+        self.set_weights = types.SimpleNamespace(remote=lambda state, version: version)
+        self.shutdown = types.SimpleNamespace(remote=lambda: None)
+
+    def _poll(self):
+        self.fake.polls_sent += 1
+        delay = self.delay if self.mode == "slow" else 0.0
+
+        def finish():
+            done, self.held = self.held, []
+            return [GroupResult(request=r, trajectories=[]) for r in done], SchedulerStats()
+
+        return FakeRef(self, self.fake.now + delay, finish)
+
+
+def _fake_engine(model_dir, modes, **options):
+    fake = FakeRay(modes)
+    requests = [GroupRequest(index=i, task=None, group_size=1, seed=i) for i in range(4)]
+    engine = RayEngine(lambda step: requests, model_path=str(model_dir), tokenizer=None, make_env=lambda: None,
+                       sampling=SamplingConfig(), rollout=RolloutConfig(), workers=2, poll_interval=1.0,
+                       ray_module=fake, clock=lambda: fake.now, sleep=fake.sleep, **options)
+    return fake, engine, requests
+
+
+def test_a_slow_worker_is_waited_for_not_replaced(model_dir):
+    fake, engine, requests = _fake_engine(model_dir, ["slow", "ok"], worker_timeout_s=600.0)
+    results = engine.more(1, requests)
+    assert [r.request.index for r in results] == [0, 1, 2, 3]
+    assert engine.workers_replaced == 0 and fake.killed == []
+    assert fake.now >= 300.0  # it really waited out the slow worker's 300 fake seconds
+
+
+def test_a_dead_worker_is_replaced_at_once_and_its_requests_rerun(model_dir):
+    fake, engine, requests = _fake_engine(model_dir, ["dead", "ok"], worker_timeout_s=600.0)
+    results = engine.more(1, requests)
+    assert [r.request.index for r in results] == [0, 1, 2, 3]
+    assert engine.workers_replaced == 1 and engine.workers_hung == 0 and engine.requests_requeued == 2
+    assert len(fake.spawned) == 3 and fake.now < 10.0
+
+
+def test_a_silent_worker_is_replaced_after_the_timeout(model_dir):
+    fake, engine, requests = _fake_engine(model_dir, ["hung", "ok"], worker_timeout_s=50.0)
+    results = engine.more(1, requests)
+    assert [r.request.index for r in results] == [0, 1, 2, 3]
+    assert engine.workers_hung == 1 and engine.workers_replaced == 1 and engine.requests_requeued == 2
+    assert fake.killed == [fake.spawned[0]]
+    assert 50.0 < fake.now < 60.0  # replaced once silent for worker_timeout_s, not before
+
+
+def test_one_poll_in_flight_per_worker(model_dir):
+    fake, engine, requests = _fake_engine(model_dir, ["slow", "slow"], worker_timeout_s=600.0)
+    engine.more(1, requests)
+    assert fake.polls_sent == 2  # each slow worker was asked once and waited for, not asked again and again

@@ -12,6 +12,7 @@ import pytest
 
 from keelrl.config import TINY_RUN, load_config
 from keelrl.policy.tiny import TinyModelSpec, save_tiny_default
+from keelrl.train.checkpoint import latest_checkpoint
 from keelrl.train.trainer import Trainer
 
 SMALL = TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, max_positions=2048)
@@ -59,7 +60,8 @@ def test_keel_train_cli_smoke_writes_every_output(model_dir, tmp_path):
         assert (run_dir / "plots" / f"{name}.png").stat().st_size > 1000
     assert (run_dir / "config.yaml").exists() and list((run_dir / "tb").iterdir())
     assert "ACTION:" in (run_dir / "samples" / "step_0001.txt").read_text()
-    assert (run_dir / "checkpoint" / "state.pt").exists()
+    assert (latest_checkpoint(run_dir) / "state.pt").exists() and latest_checkpoint(run_dir).name == "step-000002"
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-000002"]  # older ones removed
 
 
 @pytest.mark.parametrize("preset, critic", [("ppo", "head"), ("ppo", "success_token"), ("grpo", "head")])
@@ -164,3 +166,49 @@ def test_evaluation_in_bf16_uses_a_cast_copy_of_the_current_weights(model_dir, t
         assert torch.equal(q, p.detach().to(torch.bfloat16)), name
     with pytest.raises(Exception, match="eval_dtype"):
         load_config(overrides=["train.eval_dtype=fp8"])
+
+
+def test_fresh_rollouts_arrive_with_importance_weight_one_at_any_temperature(model_dir, tmp_path):
+    """Sync engine, one update per step: the learner scores each fresh batch at the rollouts'
+    temperature, so the arrival weight pi/mu is 1 on every action token (up to float error)."""
+    cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path}", f"model.path={model_dir}", "train.steps=1",
+                                 "rollout.engine=sync", "rollout.temperature=0.6", *FAST])
+    Trainer(cfg).run()
+    row = metrics(tmp_path)[1]
+    assert row["rollout/arrival_is_weight_max"] == pytest.approx(1.0, abs=1e-3)
+    assert row["rollout/arrival_is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_an_environment_that_raises_costs_its_group_not_the_step(model_dir, tmp_path):
+    """One task's environment raises in step(): its episodes end as env_error with the error kept,
+    its group is left out (no baseline), and the step still updates on the other group."""
+    cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path}", f"model.path={model_dir}", "train.steps=1",
+                                 "rollout.engine=sync", *FAST])
+    trainer = Trainer(cfg)
+    doomed = trainer.requests_for(1)[0].task.id
+    make = trainer.train_env_factory()
+
+    class Broken:
+        def __init__(self):
+            self.env = make()
+
+        def reset(self, task):
+            self.task = task
+            return self.env.reset(task)
+
+        def step(self, action):
+            if self.task.id == doomed:
+                raise RuntimeError("disk on fire")
+            return self.env.step(action)
+
+        def __getattr__(self, name):
+            return getattr(self.env, name)
+
+    trainer.train_env_factory = lambda: Broken
+    trainer.run()
+    row = metrics(tmp_path)[1]
+    assert row["train/env_error_frac"] == 0.5 and row["train/env_error_groups_dropped"] == 1
+    assert row["train/updates"] >= 1 and row["train/skipped_updates"] == 0
+    assert all(isinstance(value, (int, float)) and value == value for key, value in row.items()
+               if key.startswith(("train/reward", "policy/")))  # nothing NaN leaked into the update
+    assert "disk on fire" in (tmp_path / "samples" / "step_0001.txt").read_text()

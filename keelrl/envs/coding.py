@@ -169,12 +169,19 @@ class CodingEnv:
     def _path(self, args: tuple[str, ...], index: int) -> Path:
         assert self.task is not None and self.workdir is not None
         name = args[index] if len(args) > index else self.task.entry_file
-        root, target = self.workdir.resolve(), (self.workdir / name).resolve()
+        root = self.workdir.resolve()
+        try:
+            target = (self.workdir / name).resolve()
+            is_file = target.is_file()
+        except (ValueError, OSError) as error:  # a NUL byte, a name too long: the policy's mistake too
+            reason = error.strerror if isinstance(error, OSError) else str(error)
+            raise ActionError(f"error: {name[:100]!r} is not a valid path ({reason}); "
+                              f"files: {', '.join(self.current_files())}") from None
         if root not in target.parents:
             problem = "is outside the repository"
         elif ".git" in target.relative_to(root).parts:
             problem = "is git metadata, not a file of the task"
-        elif not target.is_file():
+        elif not is_file:
             problem = "is not a file of the task"
         else:
             return target

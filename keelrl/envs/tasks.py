@@ -19,20 +19,25 @@ A check is {"name": str, "args": [JSON values], "expected": JSON value} with opt
 "raises": exception class name (the call must raise it) and "key": true (the headline case,
 the only one the `weak` verifier keeps, like the lecture's retries=0 check).
 
-`validate_task` reports every problem with the field path; `load_tasks`/`save_tasks` read and
-write JSONL; `split_of` assigns a task to "train" or "heldout" deterministically by id and seed.
+`validate_task` reports the first problem with the field path; `load_tasks`/`save_tasks` read and
+write JSONL (UTF-8; lines end at "\n" only, so a U+2028 inside a JSON string stays in its line),
+and every loading error names the file, the line number and the field; a key given twice in one
+object is an error, not a silent last-one-wins. `split_of` assigns a task to "train" or
+"heldout" deterministically by id and seed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+"""Matched with fullmatch: `$` would also accept a trailing newline ("retry_count\n")."""
 
 
 class TaskError(ValueError):
@@ -96,13 +101,13 @@ def _check_from(data: Any, where: str) -> Check:
         raise TaskError(f"{where}.name: must be a non-empty string")
     if not isinstance(data.get("args"), list):
         raise TaskError(f"{where}.args: must be a list of JSON values")
-    if data.get("raises") is not None and not (isinstance(data["raises"], str) and _IDENTIFIER.match(data["raises"])):
+    if data.get("raises") is not None and not (isinstance(data["raises"], str) and _IDENTIFIER.fullmatch(data["raises"])):
         raise TaskError(f"{where}.raises: must be an exception class name, got {data['raises']!r}")
     if not isinstance(data.get("key", False), bool):
         raise TaskError(f"{where}.key: must be true or false")
     weight = data.get("weight", 1.0)
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
-        raise TaskError(f"{where}.weight: must be a number > 0, got {weight!r}")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:
+        raise TaskError(f"{where}.weight: must be a finite number > 0, got {weight!r}")
     return Check(name=data["name"], args=list(data["args"]), expected=data.get("expected"),
                  raises=data.get("raises"), key=bool(data.get("key", False)), weight=float(weight))
 
@@ -111,7 +116,7 @@ def task_from_dict(data: Any, where: str = "task") -> Task:
     """Build and validate a Task from a decoded JSON object."""
     if not isinstance(data, dict):
         raise TaskError(f"{where}: must be a JSON object, got {type(data).__name__}")
-    where = f"{where} {data.get('id', '?')!r}"
+    where = f"{where} {_short(data.get('id', '?'))}"
     required = ["id", "kind", "prompt", "files", "entry_file", "entry_function", "test_file",
                 "visible_tests", "hidden_checks", "reference_fix"]
     missing = [name for name in required if name not in data]
@@ -132,7 +137,7 @@ def task_from_dict(data: Any, where: str = "task") -> Task:
         hidden_checks=[_check_from(c, f"{where}.hidden_checks[{i}]") for i, c in enumerate(_list(data, "hidden_checks", where))],
         reference_fix=dict(data["reference_fix"]), wrong_fix=dict(data.get("wrong_fix", {})),
         brittle_phrase=data.get("brittle_phrase", ""))
-    validate_task(task)
+    validate_task(task, where)
     return task
 
 
@@ -143,13 +148,18 @@ def _list(data: Mapping[str, Any], name: str, where: str) -> list[Any]:
     return value
 
 
-def validate_task(task: Task) -> None:
-    """Raise TaskError naming the first structural problem (behaviour is checked by verifiers)."""
-    where = f"task {task.id!r}"
+def validate_task(task: Task, where: str | None = None) -> None:
+    """Raise TaskError naming the first structural problem (behaviour is checked by verifiers).
+
+    `where` starts every message (default: "task 'ID'"); the loader passes "FILE:LINE 'ID'".
+    """
+    where = where if where is not None else f"task {task.id!r}"
     for name in ("id", "kind", "prompt", "entry_file", "entry_function", "test_file"):
         value = getattr(task, name)
         if not isinstance(value, str) or not value:
-            raise TaskError(f"{where}.{name}: must be a non-empty string")
+            raise TaskError(f"{where}.{name}: must be a non-empty string, got {_short(value)}")
+    if not isinstance(task.brittle_phrase, str):
+        raise TaskError(f"{where}.brittle_phrase: must be a string, got {_short(task.brittle_phrase)}")
     for name in ("files", "reference_fix", "wrong_fix"):
         for path in getattr(task, name):
             _check_path(path, f"{where}.{name}")
@@ -160,7 +170,7 @@ def validate_task(task: Task) -> None:
             raise TaskError(f"{where}.{name}: must be a .py file, got {path!r}")
         if path not in task.files:
             raise TaskError(f"{where}.{name}: {path!r} is not in files")
-    if not _IDENTIFIER.match(task.entry_function):
+    if not _IDENTIFIER.fullmatch(task.entry_function):
         raise TaskError(f"{where}.entry_function: not a Python identifier: {task.entry_function!r}")
     if not task.hidden_checks:
         raise TaskError(f"{where}.hidden_checks: at least one check is needed")
@@ -173,7 +183,7 @@ def validate_task(task: Task) -> None:
         if len(set(names)) != len(names):
             raise TaskError(f"{where}.{name}: check names must be unique, got {names}")
         for check in getattr(task, name):
-            if not _IDENTIFIER.match(check.name):
+            if not _IDENTIFIER.fullmatch(check.name):
                 raise TaskError(f"{where}.{name}: check name {check.name!r} must be an identifier")
             try:
                 json.dumps([check.args, check.expected], allow_nan=False)
@@ -183,20 +193,50 @@ def validate_task(task: Task) -> None:
 
 def _check_path(path: str, where: str) -> None:
     parts = Path(path).parts
-    if not path or Path(path).is_absolute() or ".." in parts or parts[0] == ".git":
-        raise TaskError(f"{where}: {path!r} must be a relative path inside the repository (not .git)")
+    if not parts or "\x00" in path or Path(path).is_absolute() or ".." in parts or parts[0] == ".git":
+        raise TaskError(f"{where}: {path!r} must be a relative path to a file inside the repository (not .git)")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """object_pairs_hook of the loader: a key given twice is an error, not last-one-wins."""
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            raise _DuplicateKey(key)
+        data[key] = value
+    return data
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
 
 
 def load_tasks(path: str | Path) -> list[Task]:
     """Read a JSONL file of tasks; errors name the line number and the field."""
     tasks, seen = [], set()
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    # Lines end at b"\n" only: str.splitlines would also cut at U+2028 or \x1c, which JSON
+    # strings may hold raw, and shift every later line number.
+    for number, raw in enumerate(Path(path).read_bytes().split(b"\n"), start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            bad = raw[error.start:error.start + 1]
+            raise TaskError(f"{path}:{number}: not UTF-8 text (byte {error.start} is {bad!r})") from None
         if not line.strip():
             continue
         try:
-            data = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise TaskError(f"{path}:{number}: not valid JSON: {error}") from None
+            data = json.loads(line, object_pairs_hook=_unique_keys)
+        except _DuplicateKey as error:
+            raise TaskError(f"{path}:{number}.{error.key}: the key is given twice in one object") from None
+        except (ValueError, RecursionError) as error:  # also an int of > 4300 digits, or nesting too deep
+            raise TaskError(f"{path}:{number}: not valid JSON: {str(error)[:200]}") from None
         task = task_from_dict(data, where=f"{path}:{number}")
         if task.id in seen:
             raise TaskError(f"{path}:{number}: duplicate task id {task.id!r}")
@@ -208,7 +248,7 @@ def load_tasks(path: str | Path) -> list[Task]:
 def save_tasks(tasks: Iterable[Task], path: str | Path) -> int:
     """Write tasks as JSONL; returns how many were written."""
     lines = [task.to_json() for task in tasks]
-    Path(path).write_text("".join(line + "\n" for line in lines))
+    Path(path).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     return len(lines)
 
 

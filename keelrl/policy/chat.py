@@ -93,8 +93,10 @@ def _derive(tokenizer: Any) -> ChatFormat:
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError(
             f"tokenizer {getattr(tokenizer, 'name_or_path', tokenizer)!r} has no chat template: keelrl lays "
-            "every episode out in the model's own chat format. Use an instruct/chat model, or set "
-            "tokenizer.chat_template (a Jinja template, saved in tokenizer_config.json) before training")
+            "every episode out in the model's own chat format (prompt as a user message, actions as "
+            "assistant messages). Point model.path at an instruct/chat model, whose tokenizer ships one, "
+            "or add one: set tokenizer.chat_template to a Jinja template and save the tokenizer with "
+            "save_pretrained (transformers writes it to chat_template.jinja)")
     user = {"role": "user", "content": "P"}
     action = {"role": "assistant", "content": _ACTION}
     last_error: Exception | None = None

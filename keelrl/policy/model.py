@@ -1,7 +1,9 @@
 """The policy: any local Hugging Face causal LM, plus an optional value head.
 
 `load_policy(path_or_tiny, device)` loads `AutoModelForCausalLM` and `AutoTokenizer` from a
-local directory ("tiny" builds the built-in default into a cache directory first). Device
+local directory ("tiny" builds the built-in default into a cache directory first), after
+checking that it holds a causal LM with a chat template (an encoder or a base tokenizer fails
+with a message naming what is missing, instead of loading with a random head). Device
 "auto" picks CUDA when present (bf16 weights where the GPU supports it), else CPU (fp32).
 
 `token_logprobs` computes log pi(token_t | tokens_<t) and, optionally, the entropy of every
@@ -78,25 +80,76 @@ def ensure_model_dir(path: str) -> Path:
     return resolve_model_path(path)
 
 
+class NotCausalLMError(ValueError):
+    """The model path holds a model that is not a causal (next-token) language model."""
+
+
 def load_policy(path: str, device: str | torch.device = "auto", dtype: torch.dtype | None = None) -> tuple[Any, Any]:
-    """(model, tokenizer) from a local directory or 'tiny', on `device`."""
+    """(model, tokenizer) from a local directory or 'tiny', on `device`.
+
+    Checked: the directory must hold a causal LM whose checkpoint has every weight
+    (`NotCausalLMError` otherwise; transformers would load a BERT encoder as a BertLMHeadModel
+    with a random head), and its tokenizer must have a chat template
+    (`keelrl.policy.chat.ChatTemplateError`), before the weights load.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
+
+    from keelrl.policy.chat import ChatFormat
 
     directory = ensure_model_dir(path)
     device = resolve_device(device) if isinstance(device, str) else device
     hf_logging.disable_progress_bar()
+    check_causal_lm(path, directory)
     tokenizer = AutoTokenizer.from_pretrained(directory)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype or default_dtype(device))
+    ChatFormat.of(tokenizer)  # every episode is laid out in the chat template: fail now, not mid-run
+    loaded: Any = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype or default_dtype(device),
+                                                       output_loading_info=True)
+    model, loading = loaded
+    missing = sorted(loading["missing_keys"])
+    if missing:  # transformers would initialise them at random and carry on
+        raise NotCausalLMError(
+            f"model path {path!r} ({directory}): the checkpoint has no weights for {len(missing)} parameters of "
+            f"{type(model).__name__} ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); they would "
+            f"start random: the directory does not hold a complete causal-LM checkpoint (an encoder, or an "
+            f"incomplete download?). Point model.path at a causal LM")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model.to(device)  # type: ignore[arg-type]  # transformers types .to oddly
+    model.to(device)
     return model, tokenizer
+
+
+def check_causal_lm(path: str, directory: Path) -> None:
+    """Raise NotCausalLMError unless `directory`'s config.json describes a causal language model.
+
+    The saved `architectures` decide (a class transformers lists as a causal LM: Qwen2ForCausalLM,
+    GPT2LMHeadModel...); a config without them falls back to its model_type.
+    """
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = AutoConfig.from_pretrained(directory)
+    causal_classes = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    architectures = list(getattr(config, "architectures", None) or [])
+    model_type = getattr(config, "model_type", "?")
+    if architectures:
+        if any(name in causal_classes for name in architectures):
+            return
+        found = f"a {' / '.join(architectures)} (model_type {model_type!r})"
+    elif model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not getattr(config, "is_encoder_decoder", False):
+        return
+    else:
+        found = f"a model of type {model_type!r}, which has no causal-LM class in transformers"
+    raise NotCausalLMError(
+        f"model path {path!r} ({directory}) holds {found}, not a causal language model: keelrl samples "
+        f"actions token by token and needs a decoder with a next-token head (an architecture such as "
+        f"Qwen2ForCausalLM, LlamaForCausalLM or GPT2LMHeadModel). Point model.path at a causal LM, "
+        f"e.g. an instruct model such as SmolLM2-135M-Instruct")
 
 
 def token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor, *, chunk_size: int = 256,
                    with_entropy: bool = False, with_hidden: bool = False,
-                   positions: Tensor | None = None) -> dict[str, Tensor]:
+                   positions: Tensor | None = None, temperature: float = 1.0) -> dict[str, Tensor]:
     """input_ids, attention_mask [B, T] -> {"logp": [B, T], "entropy": [B, T], "hidden": [B, T, H]}.
 
     logp[:, t] = log pi(input_ids[:, t] | input_ids[:, :t]); position 0 (nothing before it)
@@ -113,8 +166,17 @@ def token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor, *, chu
     losses read only action tokens, a tenth of an agent's context; the vocabulary head (49k
     outputs for SmolLM2, kept in float32) is then run on those alone, which is most of the
     saving when prompts are long.
+
+    `temperature`: the log-probs and entropy of the tempered distribution softmax(logits / T),
+    the one a sampler at temperature T draws from. The RL losses use the rollouts' temperature,
+    so that on fresh data the learner's pi and the behaviour mu are the same distribution and
+    the importance ratio is 1 (at T = 1 for the learner and T = 0.7 for the sampler, SmolLM2's
+    fresh ratios reached 16 on some tokens).
     """
     from torch.utils.checkpoint import checkpoint
+
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
 
     outputs = model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     hidden = outputs.last_hidden_state  # [B, T, H]
@@ -127,8 +189,8 @@ def token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor, *, chu
 
     def head_pass(piece: Tensor, targets: Tensor) -> tuple[Tensor, Tensor | None]:
         if recompute:
-            return checkpoint(_head_logprobs, head, piece, targets, with_entropy, use_reentrant=False)
-        return _head_logprobs(head, piece, targets, with_entropy)
+            return checkpoint(_head_logprobs, head, piece, targets, with_entropy, temperature, use_reentrant=False)
+        return _head_logprobs(head, piece, targets, with_entropy, temperature)
 
     if positions is not None:
         rows, steps = positions[:, 1:].nonzero(as_tuple=True)  # token steps+1 is predicted at steps
@@ -161,14 +223,17 @@ def _result(logp: Tensor, entropy: Tensor | None, hidden: Tensor | None) -> dict
 
 
 def _head_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor,
-                   with_entropy: bool) -> tuple[Tensor, Tensor | None]:
-    """hidden [B, c, H], targets [B, c] -> (log-prob of each target [B, c], entropy [B, c] or None)."""
+                   with_entropy: bool, temperature: float = 1.0) -> tuple[Tensor, Tensor | None]:
+    """hidden [B, c, H], targets [B, c] -> (log-prob of each target [B, c], entropy [B, c] or None),
+    under softmax(logits / temperature)."""
     # The head runs in the weights' own precision even under a learner's bf16 autocast: bf16
     # logits (8 mantissa bits, values around +-20) would put ~0.05 of noise on every log-prob.
     with torch.autocast(device_type=hidden.device.type, enabled=False):
         weight_dtype = next(head.parameters()).dtype
         logits = head(hidden.to(weight_dtype))
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # [B, c, V]
+    if temperature != 1.0:
+        logits = logits / temperature
     log_probs = torch.log_softmax(logits, dim=-1)
     chunk_logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [B, c]
     chunk_entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None  # [B, c]
@@ -207,7 +272,7 @@ def split_rows(lengths: list[int], max_tokens: int) -> list[list[int]]:
 @torch.no_grad()
 def chunked_token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor, *, max_tokens: int,
                            value_fn: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
-                           positions: Tensor | None = None) -> dict[str, Tensor]:
+                           positions: Tensor | None = None, temperature: float = 1.0) -> dict[str, Tensor]:
     """input_ids, attention_mask [B, T] -> {"logp": [B, T], "values": [B, T]}, without gradients.
 
     `token_logprobs` over groups of rows from `split_rows`, each cut to its own longest row,
@@ -216,7 +281,7 @@ def chunked_token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor
     makes of pad tokens), as in one pass over the whole batch: mask them. With `value_fn`
     (a critic: input_ids, attention_mask, hidden [b, t, H] -> values [b, t]) the values are
     computed group by group too, so the [B, T, H] hidden states never exist at once.
-    `positions` as in `token_logprobs`.
+    `positions` and `temperature` as in `token_logprobs`.
     """
     batch, length = input_ids.shape
     lengths = row_lengths(attention_mask).tolist()
@@ -227,7 +292,8 @@ def chunked_token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor
         width = max(lengths[row] for row in group)
         ids, attended = input_ids[rows, :width], attention_mask[rows, :width]  # [b, t]
         out = token_logprobs(model, ids, attended, with_hidden=value_fn is not None,
-                             positions=None if positions is None else positions[rows, :width])
+                             positions=None if positions is None else positions[rows, :width],
+                             temperature=temperature)
         logp = logp.to(out["logp"].dtype)  # float64 weights give float64 log-probs
         logp[rows, :width] = out["logp"]
         if value_fn is not None:

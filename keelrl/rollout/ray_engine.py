@@ -13,13 +13,21 @@ request a worker has not yet returned; when a worker dies (a node lost, an OOM k
 outstanding requests are re-queued on it: nothing is lost, and each re-run request samples
 from the same seeds.
 
-`ray.init()` connects to an existing cluster when RAY_ADDRESS is set, else starts a local one;
-an engine that started Ray shuts it down on close.
+Slow is not dead. The driver keeps one poll in flight per worker and never times a single
+call out: a worker starved of CPU (a loaded machine, a model that takes minutes to load) is
+waited for. Ray reports a dead actor at once; only a worker that has answered nothing for
+`worker_timeout_s` is presumed hung and replaced like a dead one.
+
+`ray.init()` connects to an existing cluster when RAY_ADDRESS is set, else starts a local one
+(`init_local_ray`) whose workers run at the driver's priority (Ray nices its workers by
+default, so on a busy machine they would crawl while the learner waits on them); an engine
+that started Ray shuts it down on close.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -29,6 +37,19 @@ from keelrl.policy.sampling import SamplingConfig
 from keelrl.rollout.engines import RequestsFor, RolloutEngine, StepRollouts, staleness_metrics
 from keelrl.rollout.scheduler import (EpisodeScheduler, GroupRequest, GroupResult, RolloutConfig, SchedulerStats,
                                       WeightSlot)
+
+
+def init_local_ray(**kwargs: Any) -> None:
+    """`ray.init` for a cluster keelrl starts itself: workers at the driver's priority
+    (worker_niceness 0), no dashboard unless asked, workers' logs not forwarded. With RAY_ADDRESS
+    set this joins that cluster instead (its own settings apply)."""
+    import ray
+
+    kwargs.setdefault("log_to_driver", False)
+    kwargs.setdefault("include_dashboard", False)
+    system_config = dict(kwargs.pop("_system_config", None) or {})
+    system_config.setdefault("worker_niceness", 0)
+    ray.init(_system_config=system_config, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -110,26 +131,37 @@ class RayEngine(RolloutEngine):
 
     def __init__(self, requests_for: RequestsFor, *, model_path: str, tokenizer: Any, make_env: Callable[[], Any],
                  sampling: SamplingConfig, rollout: RolloutConfig, max_staleness: int = 1, workers: int = 2,
-                 worker_cpus: float = 1.0, seed: int = 0, poll_interval: float = 0.02) -> None:
+                 worker_cpus: float = 1.0, seed: int = 0, poll_interval: float = 0.02,
+                 worker_timeout_s: float = 600.0, ray_module: Any = None,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
         import ray
 
         super().__init__(requests_for, max_staleness)
         from keelrl.policy.model import ensure_model_dir
 
-        self._ray = ray
+        self._ray = ray_module if ray_module is not None else ray  # a stand-in module in unit tests
+        self._clock, self._sleep = clock, sleep
         self._started_ray = False
-        if not ray.is_initialized():
-            ray.init(log_to_driver=False)  # RAY_ADDRESS set: join that cluster; else start a local one
+        if not self._ray.is_initialized():
+            if self._ray is ray and "RAY_ADDRESS" not in os.environ:
+                init_local_ray()
+            else:
+                self._ray.init(log_to_driver=False)  # RAY_ADDRESS set: join that cluster
             self._started_ray = True
         self.spec = WorkerSpec(model_path=str(ensure_model_dir(model_path)), make_env=make_env, sampling=sampling,
                                rollout=rollout, torch_threads=max(1, int(worker_cpus)))
-        self._actor_class = ray.remote(num_cpus=worker_cpus, max_restarts=0)(RolloutWorker)
+        self._actor_class = self._ray.remote(num_cpus=worker_cpus, max_restarts=0)(RolloutWorker)
         self.actors = [self._spawn() for _ in range(workers)]
         self.outstanding: list[dict[int, GroupRequest]] = [{} for _ in self.actors]
         self._weights: tuple[Any, int] | None = None
         self._results: dict[int, GroupResult] = {}
         self.poll_interval = poll_interval
+        if not worker_timeout_s > 0:
+            raise ValueError(f"worker_timeout_s must be > 0, got {worker_timeout_s!r}")
+        self.worker_timeout_s = worker_timeout_s
+        self._polls: dict[int, tuple[Any, float]] = {}  # slot -> (poll in flight, when it was sent)
         self.workers_replaced = 0
+        self.workers_hung = 0
         self.requests_requeued = 0
 
     def _spawn(self) -> Any:
@@ -139,8 +171,9 @@ class RayEngine(RolloutEngine):
         """Start a new actor in `slot`, give it the latest weights and the dead one's unfinished requests."""
         try:
             self._ray.kill(self.actors[slot])
-        except Exception:
+        except Exception:  # already gone: the usual reason to replace it
             pass
+        self._polls.pop(slot, None)
         self.actors[slot] = self._spawn()
         self.workers_replaced += 1
         if self._weights is not None:
@@ -164,13 +197,21 @@ class RayEngine(RolloutEngine):
             self.actors[slot].submit.remote([request])
 
     def _wait(self, wanted: list[int], totals: SchedulerStats) -> list[GroupResult]:
-        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.exceptions import RayActorError
 
         while not all(index in self._results for index in wanted):
-            for slot, actor in enumerate(list(self.actors)):
+            for slot, actor in enumerate(self.actors):
+                if slot not in self._polls:
+                    self._polls[slot] = (actor.poll.remote(), self._clock())
+            by_ref = {id(ref): slot for slot, (ref, _) in self._polls.items()}
+            ready, _ = self._ray.wait([ref for ref, _ in self._polls.values()], num_returns=len(self._polls),
+                                      timeout=self.poll_interval)
+            for ref in ready:
+                slot = by_ref[id(ref)]
+                del self._polls[slot]
                 try:
-                    finished, stats = self._ray.get(actor.poll.remote(), timeout=120)
-                except (RayActorError, GetTimeoutError):
+                    finished, stats = self._ray.get(ref)
+                except RayActorError:  # dead (killed, OOM, node lost): Ray says so at once
                     self._replace(slot)
                     continue
                 for result in finished:
@@ -180,7 +221,13 @@ class RayEngine(RolloutEngine):
                 totals.idle_s += stats.idle_s
                 totals.in_flight_max = max(totals.in_flight_max, stats.in_flight_max)
                 totals.admitted += stats.admitted
-            time.sleep(self.poll_interval)
+            now = self._clock()
+            for slot, (_, sent) in list(self._polls.items()):
+                if now - sent > self.worker_timeout_s:  # alive to Ray but silent this long: hung
+                    self.workers_hung += 1
+                    self._replace(slot)
+            if ready:  # answered at once: pace the next round of polls
+                self._sleep(self.poll_interval)
         return [self._results.pop(index) for index in wanted]
 
     def batch(self, step: int) -> StepRollouts:
@@ -196,6 +243,7 @@ class RayEngine(RolloutEngine):
                         "engine/groups_admitted": float(totals.admitted),
                         "engine/workers": float(len(self.actors)),
                         "engine/workers_replaced": float(self.workers_replaced),
+                        "engine/workers_hung": float(self.workers_hung),
                         "engine/requests_requeued": float(self.requests_requeued),
                         "time/learner_wait_s": time.monotonic() - tick})
         return StepRollouts(trajectories, metrics)
@@ -207,6 +255,7 @@ class RayEngine(RolloutEngine):
         return self._wait([r.index for r in requests], SchedulerStats())
 
     def close(self) -> None:
+        self._polls.clear()
         for actor in self.actors:
             try:
                 self._ray.get(actor.shutdown.remote(), timeout=30)

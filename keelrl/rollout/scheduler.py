@@ -16,6 +16,12 @@ the weights of each turn, not on which episodes happened to share a batch: a req
 alone, in a synchronous step or in an asynchronous engine gives the same trajectory when the
 weights are the same.
 
+Environment failures. An environment whose `reset` or `step` raises (or returns something other
+than the protocol's str / (str, bool, dict)) ends that episode alone, ungraded: termination
+'env_error', the error and where it was raised in `Trajectory.error`, reward and partial NaN
+(never a made-up 0 that would become training signal); the other episodes go on. A `grade` that
+raises stops the run: the verifier failed, and no reward is made up for it.
+
 Weights: before each generation batch the scheduler calls `refresh()`, which loads the newest
 published weights, if any, and returns the version now held ("interruptible": an episode in
 flight continues under the new weights, each turn recording its version). With
@@ -25,8 +31,10 @@ is admitted while newer weights wait, so every episode finishes under the weight
 
 from __future__ import annotations
 
+import math
 import threading
 import time
+import traceback
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -254,7 +262,7 @@ class EpisodeScheduler:
                                   reserved=self.cfg.max_new_tokens)
                 self._episodes_admitted += 1
                 self._groups[request.index].append(episode)
-                self._futures[self.pool.submit(self._timed, episode.env.reset, request.task)] = ("reset", episode)
+                self._futures[self.pool.submit(self._timed, _reset, episode.env, request.task)] = ("reset", episode)
 
     @staticmethod
     def _timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
@@ -271,7 +279,15 @@ class EpisodeScheduler:
         results = []
         for future in finished:
             kind, episode = self._futures.pop(future)
-            value, seconds = future.result()
+            try:
+                value, seconds = future.result()
+            except Exception as error:  # noqa: BLE001 - recorded in the trajectory, not swallowed
+                if kind == "grade":
+                    raise  # the verifier failed (VerifierError): the run reports it, no reward is made up
+                result = self._env_failed(episode, kind, error)
+                if result is not None:
+                    results.append(result)
+                continue
             trajectory = episode.trajectory
             if kind == "reset":
                 episode.seconds["env"] += seconds
@@ -318,6 +334,22 @@ class EpisodeScheduler:
         trajectory = episode.trajectory
         trajectory.reward, trajectory.success, trajectory.partial = grade.reward, grade.success, grade.partial
         trajectory.checks = [{"name": c.name, "passed": c.passed, "detail": c.detail} for c in grade.checks]
+        return self._finish(episode)
+
+    def _env_failed(self, episode: Episode, kind: str, error: Exception) -> GroupResult | None:
+        """The env's reset or step raised: the episode ends here, ungraded (its env state is unknown)."""
+        trajectory = episode.trajectory
+        frame = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
+        where = f" (at {frame.filename}:{frame.lineno} in {frame.name})" if frame else ""
+        trajectory.termination = "env_error"
+        trajectory.error = f"env.{kind} raised {type(error).__name__}: {error}{where}"
+        trajectory.reward = trajectory.partial = math.nan
+        trajectory.success = False
+        return self._finish(episode)
+
+    def _finish(self, episode: Episode) -> GroupResult | None:
+        """Close a graded (or failed) episode; returns its group once all G episodes are done."""
+        trajectory = episode.trajectory
         trajectory.seconds = {"total": time.monotonic() - episode.started, **episode.seconds}
         if hasattr(episode.env, "close"):
             episode.env.close()
@@ -348,7 +380,7 @@ class EpisodeScheduler:
             trajectory.versions.append(self.version)
             counts = self.stats.tokens_by_version
             counts[self.version] = counts.get(self.version, 0) + len(tokens)
-            self._futures[self.pool.submit(self._timed, episode.env.step, text)] = ("step", episode)
+            self._futures[self.pool.submit(self._timed, _step, episode.env, text)] = ("step", episode)
 
     def run_once(self, timeout: float = 0.05) -> list[GroupResult]:
         """One scheduling round (see the module docstring); waits up to `timeout` s when nothing is ready."""
@@ -379,3 +411,21 @@ class EpisodeScheduler:
                     raise RuntimeError(f"requests {missing[:5]} cannot start: their min_version is above the "
                                        f"held weights' version {self.version}")
         return [results[r.index] for r in requests]
+
+
+def _reset(env: Any, task: Any) -> str:
+    """env.reset(task), checked against the protocol (a wrong return type is the env's failure)."""
+    prompt = env.reset(task)
+    if not isinstance(prompt, str):
+        raise TypeError(f"reset must return the first observation as a str, got {type(prompt).__name__}")
+    return prompt
+
+
+def _step(env: Any, action: str) -> tuple[str, bool, dict[str, Any]]:
+    """env.step(action), checked against the protocol: (observation str, done, info dict)."""
+    result = env.step(action)
+    if not (isinstance(result, tuple) and len(result) == 3 and isinstance(result[0], str)
+            and isinstance(result[2], dict)):
+        raise TypeError(f"step must return (observation: str, done: bool, info: dict), got {repr(result)[:120]}")
+    observation, done, info = result
+    return observation, bool(done), info

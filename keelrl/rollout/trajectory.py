@@ -38,6 +38,11 @@ class Trajectory:
     partial: float = 0.0
     checks: list[dict[str, Any]] = field(default_factory=list)
     termination: str = ""
+    """submitted | max_turns | context_limit | env_error (the environment itself failed: see `error`)."""
+    error: str = ""
+    """termination 'env_error': what the environment raised (or returned instead of its protocol's
+    values) in reset or step, with where. Such an episode has no grade, so reward and partial are
+    NaN, never a made-up 0: a consumer that does not set it aside fails loudly."""
     action_errors: int = 0
     """Turns whose action the environment rejected (malformed call, bad argument: info["error"])."""
     seconds: dict[str, float] = field(default_factory=dict)
@@ -60,9 +65,13 @@ class Trajectory:
         lines = [f"# task {self.task_id} (group {self.group_id}) reward={self.reward:g} "
                  f"success={self.success} termination={self.termination}",
                  tokenizer.decode(self.token_ids[:self.prompt_length])]
-        for turn, (action, observation) in enumerate(zip(self.actions, self.observations)):
+        for turn, action in enumerate(self.actions):
             lines += [f"--- turn {turn} (policy version {self.versions[turn] if turn < len(self.versions) else '?'})",
-                      f"ACTION: {action}", f"OBSERVATION: {observation}"]
+                      f"ACTION: {action}"]
+            if turn < len(self.observations):  # the action whose step raised has none
+                lines.append(f"OBSERVATION: {self.observations[turn]}")
+        if self.error:
+            lines.append(f"ENVIRONMENT ERROR: {self.error}")
         lines += [f"checks: {self.checks}", ""]
         return "\n".join(lines)
 

@@ -24,8 +24,11 @@ Group = list[Trajectory]
 
 
 def is_mixed(group: Sequence[Trajectory], tolerance: float = 1e-9) -> bool:
-    """True when the group's rewards are not all equal (so some advantage is non-zero)."""
+    """True when the group's rewards are not all equal (so some advantage is non-zero). A group
+    with an episode whose environment failed (reward NaN) is not: it has no baseline to learn from."""
     rewards = [t.reward for t in group]
+    if any(math.isnan(reward) for reward in rewards):
+        return False
     return bool(rewards) and max(rewards) - min(rewards) > tolerance
 
 

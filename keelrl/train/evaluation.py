@@ -40,10 +40,13 @@ def heldout_report(trajectories: Sequence[Trajectory], kinds: Sequence[str]) -> 
         raise ValueError(f"{len(kinds)} kinds for {len(trajectories)} trajectories")
 
     def block(rows: Sequence[Trajectory]) -> dict[str, float | None]:
+        # An episode whose environment failed (ungraded, reward NaN) counts as a failed task with
+        # no partial credit, and is counted: the figure is never inflated by dropping it.
         success, success_se = mean_and_se([float(t.success) for t in rows])
-        partial, partial_se = mean_and_se([float(t.partial) for t in rows])
+        partial, partial_se = mean_and_se([0.0 if t.termination == "env_error" else float(t.partial) for t in rows])
         return {"tasks": len(rows), "success": success, "success_se": finite_or_none(success_se),
-                "partial": partial, "partial_se": finite_or_none(partial_se)}
+                "partial": partial, "partial_se": finite_or_none(partial_se),
+                "env_errors": sum(t.termination == "env_error" for t in rows)}
 
     by_kind: dict[str, list[Trajectory]] = defaultdict(list)
     for trajectory, kind in zip(trajectories, kinds):

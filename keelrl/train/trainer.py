@@ -38,6 +38,7 @@ import math
 import os
 import random
 import resource
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -54,7 +55,7 @@ from keelrl.envs.guess import BinarySearchTeacher, GuessEnvFactory
 from keelrl.envs.tasks import Task
 from keelrl.envs.teacher import ScriptedTeacher
 from keelrl.alarms import PATCH_TOOLS, AlarmEvent, AlarmMonitor, distinct_patches
-from keelrl.monitor import MetricsLogger, plot_run, read_metrics
+from keelrl.monitor import MetricsLogger, plot_run, read_metrics, truncate_jsonl
 from keelrl.policy.critic import build_critic
 from keelrl.policy.model import (chunked_token_logprobs, cpu_has_amx_bf16, learner_autocast, load_policy, resolve_device, row_lengths,
                                  split_rows, token_logprobs)
@@ -64,6 +65,8 @@ from keelrl.rollout.engines import LocalEngine, RolloutEngine, StepRollouts
 from keelrl.rollout.scheduler import GroupRequest
 from keelrl.rollout.trajectory import Batch, Trajectory, collate
 from keelrl.sandbox import Sandbox, default_hidden_paths
+from keelrl.train.checkpoint import (CheckpointError, atomic_write_text, forget_checkpoints, fsync_tree,
+                                     latest_checkpoint, save_checkpoint)
 from keelrl.train.dynamic import fill_batch
 from keelrl.train.evaluation import finite_or_none, heldout_report, paired_difference
 from keelrl.verifiers import DEFAULT_LIMITS, make_verifier
@@ -271,7 +274,14 @@ class Trainer:
             return
         self.reference.load_state_dict(self.model.state_dict())
         self.reference.eval().requires_grad_(False)
-        self.reference.save_pretrained(self.run_dir / "reference")
+        # Written whole before the step-0 checkpoint exists: any checkpoint a resume finds was
+        # made after this reference was complete and durable.
+        folder, tmp = self.run_dir / "reference", self.run_dir / f".reference.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.reference.save_pretrained(tmp)
+        fsync_tree(tmp)
+        shutil.rmtree(folder, ignore_errors=True)
+        os.rename(tmp, folder)
 
     def _load_reference(self) -> None:
         if self.reference is None:
@@ -392,7 +402,7 @@ class Trainer:
             engine = RayEngine(self.requests_for, model_path=self.cfg.model.path, tokenizer=self.tokenizer,
                                make_env=make_env, sampling=sampling, rollout=self._rollout_cfg(r.group_size),
                                max_staleness=r.max_staleness, workers=r.workers, worker_cpus=r.worker_cpus,
-                               seed=self.cfg.seed)
+                               worker_timeout_s=r.worker_timeout_s, seed=self.cfg.seed)
         else:
             engine = LocalEngine(self.requests_for, model=self.model, tokenizer=self.tokenizer, make_env=make_env,
                                  sampling=sampling, rollout=self._rollout_cfg(r.group_size),
@@ -486,7 +496,8 @@ class Trainer:
         budget = self.cfg.train.micro_batch_tokens
         with self.autocast():  # the same precision as the update's passes: fresh ratios stay 1
             prox_out = chunked_token_logprobs(self.model, batch.input_ids, batch.attention_mask, max_tokens=budget,
-                                              value_fn=self.value_head, positions=mask)
+                                              value_fn=self.value_head, positions=mask,
+                                              temperature=self.cfg.rollout.temperature)
         prox_logp = prox_out["logp"]
         log_w = (prox_logp - batch.behaviour_logprobs).masked_fill(~mask, 0.0).clamp(-algo.max_log_ratio,
                                                                                      algo.max_log_ratio)
@@ -496,7 +507,8 @@ class Trainer:
         if self.reference is not None:
             with self.autocast():
                 ref_logp = chunked_token_logprobs(self.reference, batch.input_ids, batch.attention_mask,
-                                                  max_tokens=budget, positions=mask)["logp"]
+                                                  max_tokens=budget, positions=mask,
+                                                  temperature=self.cfg.rollout.temperature)["logp"]
             if algo.kl_in_reward:
                 token_rewards = kl_reward_penalty(token_rewards, batch.behaviour_logprobs, ref_logp, mask,
                                                   algo.kl_coef, algo.kl_estimator)
@@ -514,9 +526,15 @@ class Trainer:
     def rl_step(self, step: int, rollouts: StepRollouts, started: float | None = None) -> dict[str, Any]:
         """One update from `rollouts` (the engine's batch for `step`); returns the step's metrics row."""
         started = time.monotonic() if started is None else started
-        trajectories = rollouts.trajectories
-        if not trajectories:  # dynamic sampling kept no group: nothing to learn from this step
-            return {**rollouts.metrics, "train/updates": 0, "train/skipped_updates": 0,
+        # A group with an episode whose environment failed (ungraded, reward NaN) has no baseline:
+        # it is left out whole, and counted.
+        failed_groups = {t.group_id for t in rollouts.trajectories if t.termination == "env_error"}
+        trajectories = [t for t in rollouts.trajectories if t.group_id not in failed_groups]
+        env_errors = {"train/env_error_frac": sum(t.termination == "env_error" for t in rollouts.trajectories)
+                      / max(1, len(rollouts.trajectories)),
+                      "train/env_error_groups_dropped": len(failed_groups)}
+        if not trajectories:  # dynamic sampling kept no group, or every group failed: nothing to learn from
+            return {**rollouts.metrics, **env_errors, "train/updates": 0, "train/skipped_updates": 0,
                     "time/step_s": time.monotonic() - started}
         learn_started = time.monotonic()
         batch = collate(trajectories, self.pad_id).to(self.device)
@@ -558,6 +576,7 @@ class Trainer:
         row: dict[str, Any] = {key: value / max(1, updates) for key, value in sums.items()}
         row.update(stats)
         row.update(rollouts.metrics)
+        row.update(env_errors)
         learn_seconds = time.monotonic() - learn_started
         row.update({
             "train/reward": sum(t.reward for t in trajectories) / len(trajectories),
@@ -578,7 +597,7 @@ class Trainer:
         row.update(memory_metrics(self.device))
         if self.device.type == "cuda":  # the next row's peak covers the next step only
             torch.cuda.reset_peak_memory_stats(self.device)
-        self._write_samples(step, trajectories)
+        self._write_samples(step, rollouts.trajectories)  # failed episodes too: they show the error
         return row
 
     def accumulate_gradients(self, batch: Batch, rows: torch.Tensor, advantages: torch.Tensor,
@@ -605,7 +624,8 @@ class Trainer:
             scale = micro_batch_scale(minibatch_weights[group, :width], micro.action_mask, algo)
             with self.autocast():
                 out = token_logprobs(self.model, micro.input_ids, micro.attention_mask, with_entropy=True,
-                                     with_hidden=self.value_head is not None, positions=micro.action_mask)
+                                     with_hidden=self.value_head is not None, positions=micro.action_mask,
+                                     temperature=self.cfg.rollout.temperature)
             ref = None if ref_all is None or algo.kl_in_reward else ref_all[micro_rows, :width]
             loss, metrics = policy_objective(logp=out["logp"], old_logp=micro.behaviour_logprobs,
                                              advantages=advantages[micro_rows, :width], mask=micro.action_mask,
@@ -643,26 +663,28 @@ class Trainer:
 
     # ----------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> Path:
-        path = self.run_dir / "checkpoint"
-        tmp = self.run_dir / "checkpoint.tmp"
-        tmp.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(tmp / "model")
-        self.tokenizer.save_pretrained(tmp / "model")
-        state = {"step": self.step, "optimizer": self.optimizer.state_dict(), "skipped_steps": self.skipped_steps,
-                 "summary": self.summary, "torch_rng": torch.random.get_rng_state(),
-                 "value_head": self.value_head.state_dict() if self.value_head is not None else None}
-        torch.save(state, tmp / "state.pt")
-        if path.exists():
-            import shutil
+        """Checkpoint the current step (crash-safe: keelrl.train.checkpoint); -> its folder."""
 
-            shutil.rmtree(path)
-        tmp.rename(path)
-        return path
+        def write(folder: Path) -> None:
+            self.model.save_pretrained(folder / "model")
+            self.tokenizer.save_pretrained(folder / "model")
+            state = {"step": self.step, "optimizer": self.optimizer.state_dict(),
+                     "skipped_steps": self.skipped_steps, "summary": self.summary,
+                     "torch_rng": torch.random.get_rng_state(),
+                     "value_head": self.value_head.state_dict() if self.value_head is not None else None}
+            torch.save(state, folder / "state.pt")
+
+        return save_checkpoint(self.run_dir, self.step, write)
 
     def load_checkpoint(self) -> None:
+        """Load the checkpoint run_dir/checkpoint.json names; CheckpointError when there is none."""
         from transformers import AutoModelForCausalLM
 
-        path = self.run_dir / "checkpoint"
+        path = latest_checkpoint(self.run_dir)
+        if path is None:
+            raise CheckpointError(f"nothing to resume in {self.run_dir}: no checkpoint.json (a run writes its "
+                                  f"first checkpoint at step 0, after the warm start and its evaluation; one "
+                                  f"killed before that must start again, without --resume)")
         state = torch.load(path / "state.pt", map_location=self.device, weights_only=False)
         loaded = AutoModelForCausalLM.from_pretrained(path / "model", dtype=next(self.model.parameters()).dtype)
         self.model.load_state_dict(loaded.state_dict())
@@ -692,13 +714,16 @@ class Trainer:
     def run(self, resume: bool = False, stop_after: int | None = None) -> dict[str, Any]:
         """Warm start (unless resuming), then RL to cfg.train.steps; returns summary.json's content."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(dump_config(self.cfg))
-        logger = MetricsLogger(self.run_dir)
+        if resume:
+            self.load_checkpoint()  # before anything is written: a failed resume changes nothing
+        else:
+            forget_checkpoints(self.run_dir)  # first: no later resume may mix the old run's files with ours
+        atomic_write_text(self.run_dir / "config.yaml", dump_config(self.cfg))
+        logger = MetricsLogger(self.run_dir, resume_after=self.step if resume else None)
         monitor = AlarmMonitor(self.cfg.monitor)
-        if resume and (self.run_dir / "checkpoint" / "state.pt").exists():
-            self.load_checkpoint()
+        if resume:
             self._load_reference()
-            logger.truncate_after(self.step)
+            truncate_jsonl(self.run_dir / "alarms.jsonl", self.step)
             for old in read_metrics(self.run_dir):  # replay: alarms that fired before stay fired
                 monitor.update(int(old["step"]), old)
             if self.step < self.cfg.train.steps:  # resumed to go further: the old end is not the end
@@ -724,6 +749,7 @@ class Trainer:
             logger.log(0, {**warm, **before})
             monitor.update(0, before)
             self.progress("eval", {"step": 0, **before})
+            self.save_checkpoint()  # step 0: a kill from here on resumes without redoing the warm start
         total = self.cfg.train.steps
         engine = self.make_engine(last_step=total if stop_after is None else min(total, stop_after))
         try:
@@ -766,7 +792,7 @@ class Trainer:
                                  "skipped_updates": self.skipped_steps, "preset": self.cfg.algo.preset})
             self.summary.update(_lift_summary(self.summary.get("heldout", {})))
             self.summary["plots"] = [str(p) for p in plot_run(self.run_dir)]
-            (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
+            atomic_write_text(self.run_dir / "summary.json", json.dumps(self.summary, indent=2))
         return self.summary
 
 

@@ -1,0 +1,180 @@
+"""Crash safety: atomic writes, versioned checkpoints behind one pointer, and a real `keel train`
+killed with SIGKILL at random moments (some inside checkpoint writes) that still ends, after
+resumes, with exactly the metrics of an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from keelrl.config import TINY_RUN
+from keelrl.monitor import MetricsLogger, truncate_jsonl
+from keelrl.policy.tiny import TinyModelSpec, save_tiny_default
+from keelrl.train.checkpoint import CheckpointError, atomic_write_text, latest_checkpoint, save_checkpoint
+
+SMALL = TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, max_positions=2048)
+KEEL = str(Path(sys.executable).parent / "keel")
+RUN = [*TINY_RUN, "rollout.engine=sync", "train.steps=6", "train.checkpoint_every=1", "train.eval_every=3",
+       "train.eval_tasks=3", "warm_start.demos=4", "warm_start.epochs=1", "warm_start.batch_size=4",
+       "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=16", "env.max_turns=2",
+       "train.minibatch_size=2", "train.sample_trajectories=1"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return save_tiny_default(tmp_path_factory.mktemp("model"), SMALL)
+
+
+# ------------------------------------------------------------------ the pieces
+def test_atomic_write_leaves_old_or_new_and_no_temporary(tmp_path):
+    target = tmp_path / "summary.json"
+    atomic_write_text(target, "old")
+    atomic_write_text(target, "new")
+    assert target.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+def test_a_checkpoint_is_pointed_at_only_once_whole_and_the_last_good_one_survives_a_failed_write(tmp_path):
+    save_checkpoint(tmp_path, 1, lambda folder: (folder / "state.pt").write_text("one"))
+    assert latest_checkpoint(tmp_path).name == "step-000001"
+
+    def dies_halfway(folder):
+        (folder / "state.pt").write_text("two, half")
+        raise KeyboardInterrupt  # as a kill would, after part of the files
+
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, 2, dies_halfway)
+    good = latest_checkpoint(tmp_path)
+    assert good.name == "step-000001" and (good / "state.pt").read_text() == "one"
+    save_checkpoint(tmp_path, 2, lambda folder: (folder / "state.pt").write_text("two"))
+    assert latest_checkpoint(tmp_path).name == "step-000002"
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-000002"]  # old one and debris gone
+
+
+def test_a_bad_pointer_is_a_clear_error(tmp_path):
+    assert latest_checkpoint(tmp_path) is None
+    (tmp_path / "checkpoint.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="unreadable"):
+        latest_checkpoint(tmp_path)
+    (tmp_path / "checkpoint.json").write_text(json.dumps({"step": 3, "path": "checkpoints/step-000003"}))
+    with pytest.raises(CheckpointError, match="step-000003.*does not exist"):
+        latest_checkpoint(tmp_path)
+
+
+def test_a_torn_last_metrics_line_is_dropped_and_a_corrupt_middle_line_named(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0}\n{"step": 1}\n{"step": 2}\n{"step": 3, "train/re')
+    truncate_jsonl(path, 2)
+    assert path.read_text() == '{"step": 0}\n{"step": 1}\n{"step": 2}\n'
+    truncate_jsonl(path, 1)
+    assert path.read_text() == '{"step": 0}\n{"step": 1}\n'
+    path.write_text('{"step": 0}\ngarbage\n{"step": 1}\n')
+    with pytest.raises(ValueError, match="metrics.jsonl:2"):
+        truncate_jsonl(path, 1)
+    path.write_text('{"step": 0}\n{"step": 1}\n')
+    logger = MetricsLogger(tmp_path, tensorboard=False, resume_after=0)
+    logger.log(1, {"x": 1.0})
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1]
+
+
+# ------------------------------------------------------------------ kill and resume
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _comparable(row: dict) -> dict:
+    return {key: value for key, value in row.items()
+            if not key.startswith(("time/", "memory/", "engine/")) and isinstance(value, (int, float))}
+
+
+def _start(run_dir: Path, model_dir: Path) -> subprocess.Popen:
+    if (run_dir / "checkpoint.json").exists():
+        command = [KEEL, "train", "--resume", str(run_dir)]
+    else:
+        command = [KEEL, "train", *RUN, f"model.path={model_dir}", f"run_dir={run_dir}"]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _in_checkpoint_write(run_dir: Path) -> bool:
+    folder = run_dir / "checkpoints"
+    try:
+        return any(p.name.startswith(".step-") for p in folder.iterdir())
+    except FileNotFoundError:
+        return False
+
+
+def _kill_at(process: subprocess.Popen, run_dir: Path, mode: str, delay: float) -> str:
+    """SIGKILL `process` during a checkpoint write (mode "write") or `delay` seconds after it
+    started ("random"); -> when it died: "write", "random", or "finished" (it ended first)."""
+    started = time.monotonic()
+    while process.poll() is None:
+        if mode == "write" and _in_checkpoint_write(run_dir):
+            process.send_signal(signal.SIGKILL)
+            process.wait()
+            return "write"
+        if mode == "random" and time.monotonic() - started >= delay:
+            process.send_signal(signal.SIGKILL)
+            process.wait()
+            return "random"
+        if time.monotonic() - started > 600:
+            process.kill()
+            raise AssertionError("keel train ran for 10 minutes without being killed or finishing")
+        time.sleep(0.001 if mode == "write" else 0.01)
+    return "finished"
+
+
+@pytest.mark.parametrize("kills", [3, pytest.param(12, marks=pytest.mark.slow)])
+def test_a_run_killed_at_random_moments_ends_like_an_uninterrupted_one(model_dir, tmp_path, kills):
+    whole = tmp_path / "whole"
+    done = subprocess.run([KEEL, "train", *RUN, f"model.path={model_dir}", f"run_dir={whole}"],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    run_dir = tmp_path / "killed"
+    rng = random.Random(kills)
+    # A resume with nothing to resume is refused, clearly, and touches nothing.
+    refused = subprocess.run([KEEL, "train", "--resume", str(run_dir)], capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "nothing to resume" in refused.stderr
+    killed = {"write": 0, "random": 0}
+    lives = 0
+    while sum(killed.values()) < kills:
+        lives += 1
+        assert lives <= 6 * kills, f"{killed} after {lives} lives: the run keeps finishing before its kill"
+        mode = "write" if sum(killed.values()) % 2 == 0 else "random"
+        process = _start(run_dir, model_dir)
+        outcome = _kill_at(process, run_dir, mode, delay=rng.uniform(2.0, 12.0))
+        if outcome == "finished":
+            assert process.returncode == 0, process.stderr.read()[-3000:]
+            shutil.rmtree(run_dir)  # it finished before its kill: the remaining kills go to a new run
+            continue
+        killed[outcome] += 1
+        if not (run_dir / "checkpoint.json").exists():  # killed before its step-0 checkpoint: the
+            resumed = subprocess.run([KEEL, "train", "--resume", str(run_dir)], capture_output=True,
+                                     text=True, timeout=300)  # resume refuses, the next life starts over
+            assert resumed.returncode == 2 and "nothing to resume" in resumed.stderr, resumed.stderr[-2000:]
+        else:
+            latest_checkpoint(run_dir)  # the pointer always names a whole checkpoint
+    final = _start(run_dir, model_dir)  # resume, or start over when the last kill came before step 0
+    _, errors = final.communicate(timeout=900)
+    assert final.returncode == 0, errors[-3000:]
+    assert killed["write"] >= 1 and killed["random"] >= 1, killed
+
+    expected, got = _metrics(whole), _metrics(run_dir)
+    assert [row["step"] for row in got] == list(range(7))  # no step missing or repeated
+    for want, have in zip(expected, got):
+        want, have = _comparable(want), _comparable(have)
+        assert want.keys() == have.keys()
+        for key, value in want.items():
+            assert have[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (want["step"], key)
+    summary, reference = (json.loads((folder / "summary.json").read_text()) for folder in (run_dir, whole))
+    assert summary["steps"] == 6
+    for key in ("success", "partial"):
+        assert summary["heldout_final"][key] == pytest.approx(reference["heldout_final"][key], abs=1e-9)
