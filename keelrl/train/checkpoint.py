@@ -98,7 +98,7 @@ def save_checkpoint(run_dir: str | Path, step: int, write: Callable[[Path], Any]
     tmp.mkdir()
     write(tmp)
     fsync_tree(tmp)
-    current = latest_checkpoint(run_dir) if (run_dir / POINTER).exists() else None
+    current = latest_checkpoint(run_dir)
     if final.exists():  # a whole folder from a life killed before it moved the pointer
         if current is not None and current.resolve() == final.resolve():
             raise CheckpointError(f"refusing to replace {final}: the pointer names it")
