@@ -109,7 +109,7 @@ def test_micro_batched_gradients_equal_one_pass_for_every_aggregation_mode(ratio
         want.update(vmetrics)
         want_grads = torch.autograd.grad(loss + algo.value_coef * vloss, params)
         # Micro-batches of at most 40 padded tokens, longest first: 30 | 30 | 23 | 15,11 | 7.
-        learner = SimpleNamespace(cfg=SimpleNamespace(algo=algo, train=SimpleNamespace(micro_batch_tokens=40),
+        learner = SimpleNamespace(cfg=SimpleNamespace(algo=algo, train=SimpleNamespace(micro_batch_tokens=40, share_prefix=False, gradient_checkpointing=False),
                                                   rollout=SimpleNamespace(temperature=1.0)),
                                   model=model, value_head=critic, autocast=contextlib.nullcontext)
         for p in params:
@@ -129,7 +129,7 @@ def test_a_row_longer_than_the_budget_runs_alone():
     batch = make_batch(seed=3)
     algo = algo_config("token_mean", "token")
     rows = torch.arange(len(LENGTHS))
-    learner = SimpleNamespace(cfg=SimpleNamespace(algo=algo, train=SimpleNamespace(micro_batch_tokens=5),
+    learner = SimpleNamespace(cfg=SimpleNamespace(algo=algo, train=SimpleNamespace(micro_batch_tokens=5, share_prefix=False, gradient_checkpointing=False),
                                                   rollout=SimpleNamespace(temperature=1.0)),
                               model=model, value_head=None, autocast=contextlib.nullcontext)
     zeros = torch.zeros(batch.input_ids.shape, dtype=torch.float64)

@@ -90,6 +90,34 @@ def test_behaviour_logprobs_are_those_of_the_distribution_sampled_from(tiny, tem
         torch.testing.assert_close(torch.tensor(drawn.logprobs), expected, rtol=1e-4, atol=1e-4)
 
 
+def test_rows_with_one_context_share_its_prefill_and_sample_as_without(tiny, monkeypatch):
+    """A group's attempts at one prompt prefill it once: the same tokens and behaviour log-probs
+    as prefilling every row, each row still from its own uniforms."""
+    from keelrl.policy import sampling as sampling_module
+
+    model, tokenizer = tiny
+    short = tokenizer("<|user|>fix it<|end|><|assistant|>")["input_ids"]
+    long = tokenizer("<|user|>a longer request, padded less<|end|><|assistant|>")["input_ids"]
+    contexts = [short, long, short, long, long, tokenizer("<|user|>alone<|end|><|assistant|>")["input_ids"]]
+    uniforms = sampling_module.draw_uniforms(torch.Generator().manual_seed(11), 6 * 16).view(6, 16)
+    prefills = []
+    original = sampling_module._shared_prefill
+    monkeypatch.setattr(sampling_module, "_shared_prefill",
+                        lambda *args: prefills.append(original(*args)) or prefills[-1])
+    config = SamplingConfig(temperature=0.9, max_new_tokens=16, stop=())
+    shared = sample(model, tokenizer, contexts, config, uniforms=uniforms)
+    assert len(prefills) == 1 and prefills[0], "the duplicated contexts were not prefilled once"
+    cache = next(iter(prefills[0].values()))
+    assert cache.layers[0].keys.shape[0] == 6  # (generate has since grown it past the prefilled contexts)
+    plain = sample(model, tokenizer, contexts, config, uniforms=uniforms, share_prompts=False)
+    assert [s.token_ids for s in shared] == [p.token_ids for p in plain]
+    for got, want in zip(shared, plain):
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), rtol=0, atol=1e-5)
+    assert shared[0].token_ids != shared[2].token_ids or shared[1].token_ids != shared[3].token_ids  # own uniforms
+    assert sampling_module._shared_prefill(model, torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long),
+                                           [[1, 1, 1], [1, 1, 2]]) == {}  # nothing shared: nothing prefilled
+
+
 @pytest.fixture(scope="module")
 def tiny_pad_is_eos(tmp_path_factory):
     """The tiny model with its tokenizer's pad token set to its end-of-turn token, as SmolLM2's is."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -173,13 +173,20 @@ def token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor, *, chu
     the importance ratio is 1 (at T = 1 for the learner and T = 0.7 for the sampler, SmolLM2's
     fresh ratios reached 16 on some tokens).
     """
-    from torch.utils.checkpoint import checkpoint
-
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
-
     outputs = model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     hidden = outputs.last_hidden_state  # [B, T, H]
+    logp, entropy = logprobs_from_hidden(model, hidden, input_ids, positions=positions, with_entropy=with_entropy,
+                                          temperature=temperature, chunk_size=chunk_size)
+    return _result(logp, entropy, hidden if with_hidden else None)
+
+
+def logprobs_from_hidden(model: Any, hidden: Tensor, input_ids: Tensor, *, positions: Tensor | None,
+                          with_entropy: bool, temperature: float, chunk_size: int = 256) -> tuple[Tensor, Tensor | None]:
+    """The head half of `token_logprobs`: hidden [B, T, H] of input_ids [B, T] -> (logp, entropy) [B, T]."""
+    from torch.utils.checkpoint import checkpoint
+
     head = model.get_output_embeddings()
     batch, length = input_ids.shape
     dtype = torch.promote_types(hidden.dtype, torch.float32)  # float64 weights keep float64
@@ -202,15 +209,15 @@ def token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor, *, chu
             logp = logp.index_put((row, step + 1), chunk_logp[0])
             if entropy is not None and chunk_entropy is not None:
                 entropy = entropy.index_put((row, step + 1), chunk_entropy[0])
-        return _result(logp, entropy, hidden if with_hidden else None)
+        return logp, entropy
     for start in range(0, length - 1, chunk_size):
         stop = min(start + chunk_size, length - 1)
         piece, targets = hidden[:, start:stop], input_ids[:, start + 1:stop + 1]
         chunk_logp, chunk_entropy = head_pass(piece, targets)
         logp[:, start + 1:stop + 1] = chunk_logp
-        if entropy is not None:
+        if entropy is not None and chunk_entropy is not None:
             entropy[:, start + 1:stop + 1] = chunk_entropy
-    return _result(logp, entropy, hidden if with_hidden else None)
+    return logp, entropy
 
 
 def _result(logp: Tensor, entropy: Tensor | None, hidden: Tensor | None) -> dict[str, Tensor]:
@@ -272,7 +279,8 @@ def split_rows(lengths: list[int], max_tokens: int) -> list[list[int]]:
 @torch.no_grad()
 def chunked_token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor, *, max_tokens: int,
                            value_fn: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
-                           positions: Tensor | None = None, temperature: float = 1.0) -> dict[str, Tensor]:
+                           positions: Tensor | None = None, temperature: float = 1.0,
+                           keys: Sequence[int] | Tensor | None = None) -> dict[str, Tensor]:
     """input_ids, attention_mask [B, T] -> {"logp": [B, T], "values": [B, T]}, without gradients.
 
     `token_logprobs` over groups of rows from `split_rows`, each cut to its own longest row,
@@ -281,17 +289,18 @@ def chunked_token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor
     makes of pad tokens), as in one pass over the whole batch: mask them. With `value_fn`
     (a critic: input_ids, attention_mask, hidden [b, t, H] -> values [b, t]) the values are
     computed group by group too, so the [B, T, H] hidden states never exist at once.
-    `positions` and `temperature` as in `token_logprobs`.
+    `positions` and `temperature` as in `token_logprobs`. With `keys` (group ids) and
+    `positions`, rows of a group that share a prompt run it once (`keelrl.policy.prefix`).
     """
+    from keelrl.policy.prefix import micro_logprobs, plan_passes
+
     batch, length = input_ids.shape
-    lengths = row_lengths(attention_mask).tolist()
     logp = torch.zeros(batch, length, dtype=torch.float32, device=input_ids.device)
     values: Tensor | None = None
-    for group in split_rows(lengths, max_tokens):
-        rows = torch.tensor(group, device=input_ids.device)
-        width = max(lengths[row] for row in group)
+    for micro in plan_passes(input_ids, attention_mask, max_tokens, keys=keys, positions=positions):
+        rows, width = torch.tensor(micro.rows, device=input_ids.device), micro.width
         ids, attended = input_ids[rows, :width], attention_mask[rows, :width]  # [b, t]
-        out = token_logprobs(model, ids, attended, with_hidden=value_fn is not None,
+        out = micro_logprobs(model, ids, attended, micro, with_hidden=value_fn is not None,
                              positions=None if positions is None else positions[rows, :width],
                              temperature=temperature)
         logp = logp.to(out["logp"].dtype)  # float64 weights give float64 log-probs

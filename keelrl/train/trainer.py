@@ -59,6 +59,7 @@ from keelrl.monitor import MetricsLogger, plot_run, read_metrics, truncate_jsonl
 from keelrl.policy.critic import build_critic
 from keelrl.policy.model import (chunked_token_logprobs, cpu_has_amx_bf16, learner_autocast, load_policy, resolve_device, row_lengths,
                                  split_rows, token_logprobs)
+from keelrl.policy.prefix import micro_logprobs, plan_passes
 from keelrl.policy.sampling import SamplingConfig
 from keelrl.rollout.agent_loop import RolloutConfig, model_actor, run_episodes, scripted_actor
 from keelrl.rollout.engines import LocalEngine, RolloutEngine, StepRollouts
@@ -192,6 +193,15 @@ def enable_gradient_checkpointing(model: Any) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def prefix_keys(train: Any, batch: Batch) -> torch.Tensor | None:
+    """Which rows of `batch` the learner's passes may run by shared prompt: those of one group
+    (the plan checks the tokens). None, so every pass runs plainly, unless train.share_prefix;
+    never under activation checkpointing, which would replay the layers that fill the cache."""
+    if not train.share_prefix or train.gradient_checkpointing:
+        return None
+    return batch.group_ids.cpu()
 
 
 def take_rows(batch: Batch, rows: torch.Tensor, width: int) -> Batch:
@@ -494,10 +504,11 @@ class Trainer:
         algo = self.cfg.algo
         mask = batch.action_mask
         budget = self.cfg.train.micro_batch_tokens
+        keys = prefix_keys(self.cfg.train, batch)
         with self.autocast():  # the same precision as the update's passes: fresh ratios stay 1
             prox_out = chunked_token_logprobs(self.model, batch.input_ids, batch.attention_mask, max_tokens=budget,
                                               value_fn=self.value_head, positions=mask,
-                                              temperature=self.cfg.rollout.temperature)
+                                              temperature=self.cfg.rollout.temperature, keys=keys)
         prox_logp = prox_out["logp"]
         log_w = (prox_logp - batch.behaviour_logprobs).masked_fill(~mask, 0.0).clamp(-algo.max_log_ratio,
                                                                                      algo.max_log_ratio)
@@ -508,7 +519,7 @@ class Trainer:
             with self.autocast():
                 ref_logp = chunked_token_logprobs(self.reference, batch.input_ids, batch.attention_mask,
                                                   max_tokens=budget, positions=mask,
-                                                  temperature=self.cfg.rollout.temperature)["logp"]
+                                                  temperature=self.cfg.rollout.temperature, keys=keys)["logp"]
             if algo.kl_in_reward:
                 token_rewards = kl_reward_penalty(token_rewards, batch.behaviour_logprobs, ref_logp, mask,
                                                   algo.kl_coef, algo.kl_estimator)
@@ -615,15 +626,17 @@ class Trainer:
         mask = batch.action_mask[rows]  # [b, T]
         minibatch_weights = aggregation_weights(mask, algo)  # [b, T]
         action_tokens = int(mask.sum())
-        lengths = row_lengths(batch.attention_mask[rows]).tolist()
         parts: list[tuple[dict[str, torch.Tensor], float, float, bool]] = []
-        for group in split_rows(lengths, self.cfg.train.micro_batch_tokens):
-            width = max(lengths[i] for i in group)
+        keys = prefix_keys(self.cfg.train, batch)
+        for plan in plan_passes(batch.input_ids[rows], batch.attention_mask[rows], self.cfg.train.micro_batch_tokens,
+                                keys=None if keys is None else keys[rows.cpu()],
+                                positions=mask):
+            group, width = list(plan.rows), plan.width
             micro_rows = rows[torch.tensor(group, device=rows.device)]
             micro = take_rows(batch, micro_rows, width)
             scale = micro_batch_scale(minibatch_weights[group, :width], micro.action_mask, algo)
             with self.autocast():
-                out = token_logprobs(self.model, micro.input_ids, micro.attention_mask, with_entropy=True,
+                out = micro_logprobs(self.model, micro.input_ids, micro.attention_mask, plan, with_entropy=True,
                                      with_hidden=self.value_head is not None, positions=micro.action_mask,
                                      temperature=self.cfg.rollout.temperature)
             ref = None if ref_all is None or algo.kl_in_reward else ref_all[micro_rows, :width]

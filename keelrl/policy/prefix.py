@@ -1,0 +1,268 @@
+"""Learner passes that run a group's shared prompt once.
+
+The rows of a GRPO group start with the same prompt (the task's first observation) and differ
+only in what the policy then wrote. A plain pass runs that prompt once per row; in the default
+coding run the prompt is ~185 of a row's ~210 tokens, so most of the learner's compute is the
+same prompt four times over. Here each group's shared tokens run once (one batched pass over
+every unit's prefix), their keys and values are copied to each row of the group, and only the
+rows' own continuations run per row, attending to that cache. Gradients flow back into the
+prefix through the copied keys and values, so the result and its gradients are those of the
+plain pass (`token_logprobs`), up to floating-point summation order.
+
+Layout. Prefixes are right-padded into [U, P] (P the longest cut); row r's continuation starts
+at its unit's cut c_r and is right-padded into [B, C]. The continuation's attention mask is the
+unit's prefix mask followed by its own, so the padding between a short prefix and its
+continuation is masked like any other padding; rotary positions are given explicitly (c_r + j),
+so a row sees the positions it has in the plain pass. No query row is ever fully masked (padding
+sits after real tokens), so nothing produces NaN in the padding.
+
+A unit shares tokens only before its first scored position: those positions' log-probs come
+from the continuation pass, which starts one token before the first of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from keelrl.policy.model import logprobs_from_hidden, row_lengths, split_rows, token_logprobs
+
+
+@dataclass(frozen=True)
+class PrefixUnit:
+    """Rows of a batch that start with the same `shared` tokens, none of which is scored."""
+
+    rows: tuple[int, ...]
+    shared: int
+
+    @property
+    def cut(self) -> int:
+        """Tokens run once in the prefix pass: all shared tokens but the last, which starts
+        the continuation (its hidden state predicts the first token after the prefix)."""
+        return self.shared - 1
+
+
+MIN_SHARED = 2
+"""A unit shares at least this many tokens, so its prefix pass has at least one token."""
+
+
+def find_prefix_units(input_ids: Tensor, attention_mask: Tensor, keys: Sequence[int] | Tensor,
+                      positions: Tensor | None = None) -> list[PrefixUnit]:
+    """Rows with the same key (a group id) -> units of rows that share their leading tokens.
+
+    The shared length is checked on the tokens, not assumed from the key: it is the rows'
+    common prefix, cut before the first position any of them scores (`positions` [B, T], True
+    where a log-prob is wanted; position 0 is never scored). A key whose rows share fewer than
+    MIN_SHARED tokens is split into one unit per row. Runs on the CPU, once per batch.
+    """
+    ids, attended = input_ids.detach().cpu(), attention_mask.detach().cpu().bool()
+    batch, width = ids.shape
+    steps = torch.arange(1, width + 1)
+    lengths = torch.where(attended, steps, 0).amax(dim=1).clamp(min=1).tolist()
+    if positions is None:
+        first_scored = [1] * batch
+    else:
+        scored = positions.detach().cpu().bool().clone()
+        scored[:, 0] = False
+        first_scored = torch.where(scored, torch.arange(width), width).amin(dim=1).tolist()
+    key_list = keys.tolist() if isinstance(keys, Tensor) else list(keys)
+    if len(key_list) != batch:
+        raise ValueError(f"{len(key_list)} keys for a batch of {batch} rows")
+    by_key: dict[Any, list[int]] = {}
+    for row, key in enumerate(key_list):
+        by_key.setdefault(key, []).append(row)
+    units: list[PrefixUnit] = []
+    for rows in by_key.values():
+        own = [min(first_scored[row], lengths[row]) for row in rows]
+        shared = min(own)
+        if len(rows) > 1:
+            first = ids[rows[0]]
+            for row in rows[1:]:
+                span = min(shared, lengths[row])
+                differs = (ids[row, :span] != first[:span]).nonzero()
+                shared = min(shared, int(differs[0]) if differs.numel() else span)
+        if len(rows) > 1 and shared < MIN_SHARED:
+            units.extend(PrefixUnit((row,), own[i]) for i, row in enumerate(rows))
+        else:
+            units.append(PrefixUnit(tuple(rows), shared))
+    return units
+
+
+def _unit_cost(unit: PrefixUnit, lengths: Sequence[int]) -> tuple[int, int]:
+    """(prefix tokens, the widest continuation) of one unit."""
+    return unit.cut, max(lengths[row] for row in unit.rows) - unit.cut
+
+
+def plan_micro_batches(units: Sequence[PrefixUnit], lengths: Sequence[int], max_tokens: int) -> list[list[PrefixUnit]]:
+    """Units packed into micro-batches whose padded tokens (units x longest cut + rows x
+    widest continuation) stay within `max_tokens`; a unit too big on its own is split by rows
+    (its parts still share the prefix), down to one row, which runs over budget if it must.
+
+    Units go in order of continuation width, widest first, so similar widths share a batch.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    parts: list[PrefixUnit] = []
+    for unit in units:
+        cut, _ = _unit_cost(unit, lengths)
+        rows = sorted(unit.rows, key=lambda row: -lengths[row])
+        while rows:
+            widest = lengths[rows[0]] - cut
+            take = max(1, (max_tokens - cut) // max(1, widest))
+            parts.append(PrefixUnit(tuple(rows[:take]), unit.shared))
+            rows = rows[take:]
+    parts.sort(key=lambda unit: -_unit_cost(unit, lengths)[1])
+    batches: list[list[PrefixUnit]] = []
+    for unit in parts:
+        if batches:
+            trial = batches[-1] + [unit]
+            costs = [_unit_cost(u, lengths) for u in trial]
+            tokens = len(trial) * max(c for c, _ in costs) + sum(len(u.rows) for u in trial) * max(w for _, w in costs)
+            if tokens <= max_tokens:
+                batches[-1].append(unit)
+                continue
+        batches.append([unit])
+    return batches
+
+
+def localize(units: Sequence[PrefixUnit]) -> tuple[list[int], list[PrefixUnit]]:
+    """The rows of `units`, in order, and the units renumbered to index that list."""
+    rows: list[int] = []
+    local = []
+    for unit in units:
+        local.append(PrefixUnit(tuple(range(len(rows), len(rows) + len(unit.rows))), unit.shared))
+        rows.extend(unit.rows)
+    return rows, local
+
+
+def can_share(model: Any, units: Sequence[PrefixUnit]) -> bool:
+    """Whether `prefix_token_logprobs` can run these units on `model`: every unit shares at
+    least MIN_SHARED tokens, and no layer is checkpointed in this pass (a checkpointed layer
+    replays its cache update in the backward pass)."""
+    if not units or any(unit.shared < MIN_SHARED for unit in units):
+        return False
+    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    checkpointed = getattr(model, name, False) and model.training and torch.is_grad_enabled()
+    return not checkpointed
+
+
+def cache_kwarg(body: Any) -> str:
+    """How a model body (`model.model`) and its `generate` take a KV cache: recent transformers
+    call it `cache`, earlier versions `past_key_values` (deprecated, with a warning, since)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
+
+
+def prefix_token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor, units: Sequence[PrefixUnit], *,
+                          with_entropy: bool = False, with_hidden: bool = False,
+                          positions: Tensor | None = None, temperature: float = 1.0) -> dict[str, Tensor]:
+    """`token_logprobs` of a right-padded batch [B, T] whose rows are covered by `units`
+    (each row in exactly one, every unit sharing >= MIN_SHARED tokens, see `can_share`).
+
+    Same contract and results: {"logp": [B, T], "entropy": [B, T], "hidden": [B, T, H]}, with
+    0 at position 0 and at padding. Differentiable: gradients reach every weight through
+    both passes.
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    device = input_ids.device
+    batch, width = input_ids.shape
+    covered = sorted(row for unit in units for row in unit.rows)
+    if covered != list(range(batch)):
+        raise ValueError(f"units cover rows {covered}; a batch of {batch} needs each row exactly once")
+    if any(unit.shared < MIN_SHARED for unit in units):
+        raise ValueError(f"every unit must share at least {MIN_SHARED} tokens (see can_share)")
+    lengths = torch.where(attention_mask.bool(), torch.arange(1, width + 1, device=device), 0).amax(dim=1)
+    body = model.model
+
+    # Prefix pass: each unit's first cut tokens, right-padded into [U, P].
+    cuts = torch.tensor([unit.cut for unit in units], device=device)  # [U]
+    longest_cut = max(unit.cut for unit in units)
+    span = torch.arange(longest_cut, device=device)
+    first_rows = torch.tensor([unit.rows[0] for unit in units], device=device)
+    prefix_mask = (span.unsqueeze(0) < cuts.unsqueeze(1)).long()  # [U, P]
+    prefix_ids = input_ids[first_rows, :longest_cut].masked_fill(prefix_mask == 0, 0)
+    prefix = body(input_ids=prefix_ids, attention_mask=prefix_mask, use_cache=True)
+    cache = prefix["cache"] if "cache" in prefix else prefix["past_key_values"]  # transformers >= 5 renamed it
+
+    # Continuation pass: row r from its unit's cut to its end, right-padded into [B, C].
+    unit_of = torch.empty(batch, dtype=torch.long, device=device)
+    for index, unit in enumerate(units):
+        unit_of[list(unit.rows)] = index
+    row_cut = cuts[unit_of]  # [B]
+    widest = int((lengths - row_cut).max())
+    offsets = torch.arange(widest, device=device)
+    source = (row_cut.unsqueeze(1) + offsets).clamp(max=width - 1)  # [B, C] positions in the plain layout
+    inside = offsets.unsqueeze(0) < (lengths - row_cut).unsqueeze(1)  # [B, C]
+    rest_ids = input_ids.gather(1, source).masked_fill(~inside, 0)
+    cache.batch_select_indices(unit_of)
+    mask = torch.cat([prefix_mask[unit_of], inside.long()], dim=1)  # [B, P + C]
+    rest = body(input_ids=rest_ids, attention_mask=mask, position_ids=source, use_cache=True,
+                **{cache_kwarg(body): cache})
+    hidden = rest.last_hidden_state  # [B, C, H]
+    rest_positions = None if positions is None else positions.gather(1, source) & inside
+    logp, entropy = logprobs_from_hidden(model, hidden, rest_ids, positions=rest_positions,
+                                          with_entropy=with_entropy, temperature=temperature)
+
+    # Back to the plain layout: continuation column j is position cut_r + j. Scatter into a
+    # frame wide enough for every row, then keep the first T columns (the rest is padding).
+    frame = longest_cut + widest
+    column = row_cut.unsqueeze(1) + offsets  # [B, C], distinct within a row
+    result = {"logp": logp.new_zeros(batch, frame).scatter(1, column, logp * inside)[:, :width]}
+    if entropy is not None:
+        result["entropy"] = entropy.new_zeros(batch, frame).scatter(1, column, entropy * inside)[:, :width]
+    if with_hidden:
+        size = hidden.shape[-1]
+        tail = hidden.new_zeros(batch, frame, size).scatter(1, column.unsqueeze(-1).expand(-1, -1, size),
+                                                            hidden * inside.unsqueeze(-1))
+        head = prefix.last_hidden_state[unit_of]  # [B, P, H]
+        head = torch.cat([head, head.new_zeros(batch, frame - longest_cut, size)], dim=1)
+        before = (torch.arange(frame, device=device).unsqueeze(0) < row_cut.unsqueeze(1)).unsqueeze(-1)
+        result["hidden"] = torch.where(before, head, tail)[:, :width]
+    return result
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One forward pass of a plan: `rows` of the batch, cut to `width`, run plainly or, with
+    `units` (renumbered to index `rows`), by `prefix_token_logprobs`."""
+
+    rows: tuple[int, ...]
+    width: int
+    units: tuple[PrefixUnit, ...] | None = None
+
+
+def plan_passes(input_ids: Tensor, attention_mask: Tensor, max_tokens: int, *, keys: Sequence[int] | Tensor | None = None,
+                positions: Tensor | None = None) -> list[MicroBatch]:
+    """The micro-batches of one pass over a batch [B, T], each within `max_tokens` padded tokens.
+
+    Without `keys`: rows grouped by `split_rows`, run plainly. With `keys` (group ids): rows
+    whose key-mates share their leading tokens run by shared prefix (`plan_micro_batches`), so
+    the budget counts each prefix once; rows that share nothing run plainly. Runs on the CPU.
+    """
+    lengths = row_lengths(attention_mask).cpu().tolist()
+    if keys is None:
+        return [MicroBatch(tuple(group), max(lengths[row] for row in group)) for group in split_rows(lengths, max_tokens)]
+    units = find_prefix_units(input_ids, attention_mask, keys, positions)
+    shared = [unit for unit in units if unit.shared >= MIN_SHARED]
+    alone = [row for unit in units if unit.shared < MIN_SHARED for row in unit.rows]
+    plan = []
+    for units_of_batch in plan_micro_batches(shared, lengths, max_tokens):
+        rows, local = localize(units_of_batch)
+        plan.append(MicroBatch(tuple(rows), max(lengths[row] for row in rows), tuple(local)))
+    for group in split_rows([lengths[row] for row in alone], max_tokens):
+        plain = tuple(alone[index] for index in group)
+        plan.append(MicroBatch(plain, max(lengths[row] for row in plain)))
+    return plan
+
+
+def micro_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor, micro: MicroBatch, **options: Any) -> dict[str, Tensor]:
+    """`token_logprobs` of the micro-batch's rows (input_ids, attention_mask already cut to
+    them and to micro.width), by shared prefix when the plan says so and the model can."""
+    if micro.units is not None and can_share(model, micro.units):
+        return prefix_token_logprobs(model, input_ids, attention_mask, micro.units, **options)
+    return token_logprobs(model, input_ids, attention_mask, **options)
