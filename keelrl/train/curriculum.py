@@ -1,0 +1,137 @@
+"""A success-rate curriculum over training tasks whose sampling weights never decrease.
+
+The lecture's recipe: learn from solutions first (the warm start), then practise the tasks the
+model sometimes solves, raising difficulty as it improves, without dropping earlier tasks. The
+formal side is Bengio et al. (2009): a curriculum is a sequence of reweighted training
+distributions in which no example's weight ever decreases and every example ends at weight 1.
+
+Here each task has a difficulty level (0 = easiest) and a weight in [0, 1]:
+
+- tasks above the current level have weight 0 (not admitted yet);
+- an admitted task never measured gets `probe_weight`, so it is tried and measured;
+- a measured task whose success rate sits in the band [low, high] ("sometimes solved") gets 1;
+  one outside it (always or never solved so far) keeps at least `probe_weight`;
+- the level rises when the mean success rate of the current level's measured tasks reaches
+  `advance_at`, admitting the next level's tasks;
+- `finish()` sets every weight to 1 (the curriculum's last distribution is the plain one).
+
+A weight is only ever raised (each update takes the maximum of the old weight and the new
+target), which is the invariant the property tests check. Progress is measured on the fixed
+held-out set by the trainer, never on these tasks' own rates.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class CurriculumConfig:
+    band: tuple[float, float] = (0.1, 0.9)
+    """Success rates counted as "sometimes solved" (inclusive)."""
+    probe_weight: float = 0.25
+    """Weight of an admitted task not (yet) in the band."""
+    advance_at: float = 0.6
+    """Mean success over the current level's measured tasks that admits the next level."""
+    min_attempts: int = 2
+    """Attempts before a task's rate counts as measured."""
+
+    def __post_init__(self) -> None:
+        low, high = self.band
+        if not 0.0 <= low <= high <= 1.0:
+            raise ValueError(f"curriculum band must satisfy 0 <= low <= high <= 1, got {self.band}")
+        if not 0.0 < self.probe_weight <= 1.0:
+            raise ValueError(f"curriculum probe_weight must be in (0, 1], got {self.probe_weight}")
+        if not 0.0 <= self.advance_at <= 1.0:
+            raise ValueError(f"curriculum advance_at must be in [0, 1], got {self.advance_at}")
+        if self.min_attempts < 1:
+            raise ValueError(f"curriculum min_attempts must be >= 1, got {self.min_attempts}")
+
+
+@dataclass
+class Curriculum:
+    """Weights over tasks 0..n-1 with the given difficulty levels (see the module docstring)."""
+
+    levels: Sequence[int]
+    cfg: CurriculumConfig = field(default_factory=CurriculumConfig)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.levels:
+            raise ValueError("a curriculum needs at least one task")
+        if min(self.levels) < 0:
+            raise ValueError(f"difficulty levels must be >= 0, got {min(self.levels)}")
+        self.level = min(self.levels)
+        self.top = max(self.levels)
+        self.attempts = [0] * len(self.levels)
+        self.successes = [0] * len(self.levels)
+        self.weights = [0.0] * len(self.levels)
+        self._rng = random.Random(f"{self.seed}:curriculum")
+        self._retarget()
+
+    def rate(self, task: int) -> float | None:
+        """The task's success rate, or None before min_attempts attempts."""
+        if self.attempts[task] < self.cfg.min_attempts:
+            return None
+        return self.successes[task] / self.attempts[task]
+
+    def record(self, task: int, success: bool) -> None:
+        """One attempt's outcome; weights and level follow at the next `update`."""
+        self.attempts[task] += 1
+        self.successes[task] += int(success)
+
+    def update(self) -> None:
+        """Raise the level if the current one is mastered, then raise weights to their targets."""
+        while self.level < self.top:
+            rates = [r for t, level in enumerate(self.levels) if level == self.level
+                     for r in [self.rate(t)] if r is not None]
+            if not rates or sum(rates) / len(rates) < self.cfg.advance_at:
+                break
+            self.level = min(level for level in self.levels if level > self.level)
+        self._retarget()
+
+    def _retarget(self) -> None:
+        low, high = self.cfg.band
+        for task, level in enumerate(self.levels):
+            if level > self.level:
+                continue
+            rate = self.rate(task)
+            target = 1.0 if rate is not None and low <= rate <= high else self.cfg.probe_weight
+            self.weights[task] = max(self.weights[task], target)
+
+    def finish(self) -> None:
+        """The last distribution: every task at weight 1."""
+        self.level = self.top
+        self.weights = [1.0] * len(self.levels)
+
+    def sample(self, count: int) -> list[int]:
+        """`count` distinct tasks (fewer if fewer are admitted), drawn in proportion to weight."""
+        pool = [(task, weight) for task, weight in enumerate(self.weights) if weight > 0]
+        chosen: list[int] = []
+        while pool and len(chosen) < count:
+            total = sum(weight for _, weight in pool)
+            point = self._rng.random() * total
+            for index, (task, weight) in enumerate(pool):
+                point -= weight
+                if point < 0 or index == len(pool) - 1:
+                    chosen.append(task)
+                    del pool[index]
+                    break
+        return chosen
+
+    def metrics(self) -> dict[str, float]:
+        """curriculum/level, admitted share, band occupancy (admitted measured tasks in the band)
+        and the entropy of the normalised weights."""
+        low, high = self.cfg.band
+        admitted = [t for t, w in enumerate(self.weights) if w > 0]
+        measured = [r for t in admitted for r in [self.rate(t)] if r is not None]
+        total = sum(self.weights)
+        entropy = -sum(w / total * math.log(w / total) for w in self.weights if w > 0) if total else 0.0
+        return {"curriculum/level": float(self.level),
+                "curriculum/admitted_frac": len(admitted) / len(self.weights),
+                "curriculum/band_occupancy": (sum(low <= r <= high for r in measured) / len(measured)
+                                              if measured else 0.0),
+                "curriculum/weight_entropy": entropy}
