@@ -277,6 +277,61 @@ class WarmStartConfig:
             raise ConfigError("mistake_rate", f"must be in [0, 1], got {self.mistake_rate!r}")
 
 
+DISTILL_MODES = ("none", "on_policy", "self")
+DISTILL_FORMS = ("advantage", "loss")
+DISTILL_DIVERGENCES = ("reverse_kl", "forward_kl", "jsd")
+
+
+@dataclasses.dataclass
+class DistillConfig:
+    """Learning from a teacher during RL: distillation on the student's own rollouts, and the
+    observation loss. The teacher scores the tokens the student sampled."""
+
+    mode: str = "none"
+    """none | on_policy (a second causal LM with the same tokenizer, `teacher`, scores the
+    student's tokens) | self (OPSD: the student itself, shown privileged context the rollout
+    did not see, the task's reference fix, scores them; no second model in memory)."""
+    teacher: str = ""
+    """The teacher model of mode=on_policy: a local directory (e.g. a run's
+    checkpoints/step-N/model) or a registry name, with the student's vocabulary."""
+    coef: float = 1.0
+    """Weight of the distillation term beside the RL objective."""
+    form: str = "advantage"
+    """advantage: -coef x (log pi_S(a) - log pi_T(a)), the sampled reverse KL, added to each
+    action token's advantage (a dense per-token reward); loss: coef x a divergence between the
+    student's and the teacher's full next-token distributions at every action token, added to
+    the loss."""
+    divergence: str = "reverse_kl"
+    """With form=loss: reverse_kl (on-policy distillation), forward_kl, or jsd (GKD's
+    generalised JSD with `beta`)."""
+    beta: float = 0.5
+    """GKD's beta for divergence=jsd: 0 is forward KL, 1 reverse KL."""
+    top_k: int = 0
+    """With divergence=forward_kl: keep the teacher's top k tokens and one bucket for the rest
+    (0 = the whole vocabulary)."""
+    observation_coef: float = 0.0
+    """Echo: weight of a next-token loss on environment-observation tokens (tool outputs), in
+    the update's forward pass; 0 = off. Observation tokens never get a policy-gradient loss."""
+
+    def __post_init__(self) -> None:
+        for name, value, valid in (("mode", self.mode, DISTILL_MODES), ("form", self.form, DISTILL_FORMS),
+                                   ("divergence", self.divergence, DISTILL_DIVERGENCES)):
+            if value not in valid:
+                raise ConfigError(name, f"unknown {name} {value!r}; valid: {', '.join(valid)}")
+        if self.mode == "on_policy" and not self.teacher:
+            raise ConfigError("teacher", "distill.mode=on_policy needs a teacher model (distill.teacher=PATH)")
+        if self.mode == "self" and self.teacher:
+            raise ConfigError("teacher", "distill.mode=self uses the student itself; leave distill.teacher empty")
+        if not (self.coef >= 0 and math.isfinite(self.coef)):
+            raise ConfigError("coef", f"must be a finite number >= 0, got {self.coef!r}")
+        if not 0.0 <= self.beta <= 1.0:
+            raise ConfigError("beta", f"must be in [0, 1], got {self.beta!r}")
+        if self.top_k < 0:
+            raise ConfigError("top_k", f"must be >= 0, got {self.top_k!r}")
+        if not (self.observation_coef >= 0 and math.isfinite(self.observation_coef)):
+            raise ConfigError("observation_coef", f"must be a finite number >= 0, got {self.observation_coef!r}")
+
+
 @dataclasses.dataclass
 class MonitorConfig:
     """Alarms over the run's metrics (see keelrl/alarms.py); each fires once, logged and printed."""
@@ -335,10 +390,15 @@ class KeelConfig:
     """The supervised warm start before RL."""
     monitor: MonitorConfig = dataclasses.field(default_factory=MonitorConfig)
     """Alarms over the run's metrics."""
+    distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
+    """Learning from a teacher during RL (distillation, observation loss)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not _DEVICE_PATTERN.match(self.device):
             raise ConfigError("device", f"must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
+        if self.distill.mode == "self" and self.env.name != "coding":
+            raise ConfigError("distill.mode", f"self-distillation shows the teacher each task's reference fix, which "
+                                              f"only env.name=coding has (got env.name={self.env.name!r})")
 
 
 @lru_cache(maxsize=None)

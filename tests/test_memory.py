@@ -18,6 +18,7 @@ import torch
 
 from keelrl.algos import policy_objective, value_loss
 from keelrl.algos.config import AlgoConfig
+from keelrl.config import DistillConfig
 from keelrl.algos.registries import AGGREGATIONS
 from keelrl.policy.model import chunked_token_logprobs, row_lengths, split_rows, token_logprobs
 from keelrl.policy.tiny import TinyModelSpec, build_tiny_model, save_tiny_default
@@ -95,7 +96,7 @@ def test_micro_batched_gradients_equal_one_pass_for_every_aggregation_mode(ratio
         ref_all = reference_logp(model, batch)["logp"] + 0.2 * noise
     prox_all = batch.behaviour_logprobs
     rows = torch.tensor([3, 0, 5, 1, 4, 2])  # a shuffled minibatch, as rl_step passes it
-    minibatch = Batch(**{name: value[rows] for name, value in batch.__dict__.items()})
+    minibatch = Batch(**{name: None if value is None else value[rows] for name, value in batch.__dict__.items()})
     assert len(AGGREGATIONS.names()) >= 4
     for aggregation in AGGREGATIONS.names():
         algo = algo_config(aggregation, ratio)
@@ -109,9 +110,11 @@ def test_micro_batched_gradients_equal_one_pass_for_every_aggregation_mode(ratio
         want.update(vmetrics)
         want_grads = torch.autograd.grad(loss + algo.value_coef * vloss, params)
         # Micro-batches of at most 40 padded tokens, longest first: 30 | 30 | 23 | 15,11 | 7.
-        learner = SimpleNamespace(cfg=SimpleNamespace(algo=algo, train=SimpleNamespace(micro_batch_tokens=40, share_prefix=False, gradient_checkpointing=False),
+        learner = SimpleNamespace(cfg=SimpleNamespace(algo=algo, distill=DistillConfig(),
+                                                  train=SimpleNamespace(micro_batch_tokens=40, share_prefix=False,
+                                                                        gradient_checkpointing=False),
                                                   rollout=SimpleNamespace(temperature=1.0)),
-                                  model=model, value_head=critic, autocast=contextlib.nullcontext)
+                                  model=model, value_head=critic, autocast=contextlib.nullcontext, teacher=None)
         for p in params:
             p.grad = None
         got, passes = Trainer.accumulate_gradients(learner, batch, rows, advantages, returns,  # type: ignore[arg-type]
@@ -129,9 +132,11 @@ def test_a_row_longer_than_the_budget_runs_alone():
     batch = make_batch(seed=3)
     algo = algo_config("token_mean", "token")
     rows = torch.arange(len(LENGTHS))
-    learner = SimpleNamespace(cfg=SimpleNamespace(algo=algo, train=SimpleNamespace(micro_batch_tokens=5, share_prefix=False, gradient_checkpointing=False),
+    learner = SimpleNamespace(cfg=SimpleNamespace(algo=algo, distill=DistillConfig(),
+                                                  train=SimpleNamespace(micro_batch_tokens=5, share_prefix=False,
+                                                                        gradient_checkpointing=False),
                                                   rollout=SimpleNamespace(temperature=1.0)),
-                              model=model, value_head=None, autocast=contextlib.nullcontext)
+                              model=model, value_head=None, autocast=contextlib.nullcontext, teacher=None)
     zeros = torch.zeros(batch.input_ids.shape, dtype=torch.float64)
     advantages = torch.randn(batch.input_ids.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     with torch.no_grad():

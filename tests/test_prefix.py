@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from keelrl.algos.config import AlgoConfig
+from keelrl.config import DistillConfig
 from keelrl.config import TINY_RUN, load_config
 from keelrl.policy import prefix as prefix_module
 from keelrl.policy.model import chunked_token_logprobs
@@ -194,10 +195,12 @@ def test_accumulated_update_by_shared_prefix_equals_the_plain_one():
     rows = torch.tensor([9, 0, 4, 1, 2, 3, 5, 8, 6, 7])
     results = {}
     for share in (False, True):
-        learner = SimpleNamespace(cfg=SimpleNamespace(algo=algo, rollout=SimpleNamespace(temperature=1.0),
+        learner = SimpleNamespace(cfg=SimpleNamespace(algo=algo, distill=DistillConfig(),
+                                                      rollout=SimpleNamespace(temperature=1.0),
                                                       train=SimpleNamespace(micro_batch_tokens=40, share_prefix=share,
                                                                             gradient_checkpointing=False)),
-                                  model=model.train(), value_head=None, autocast=contextlib.nullcontext)
+                                  model=model.train(), value_head=None, autocast=contextlib.nullcontext,
+                                  teacher=None)
         model.zero_grad(set_to_none=True)
         metrics, passes = Trainer.accumulate_gradients(learner, batch, rows, advantages,  # type: ignore[arg-type]
                                                        torch.zeros_like(advantages), None, ref_all, behaviour)

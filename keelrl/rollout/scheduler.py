@@ -292,7 +292,7 @@ class EpisodeScheduler:
             if kind == "reset":
                 episode.seconds["env"] += seconds
                 trajectory.extend(prompt_tokens(self.tokenizer, value), action=False, turn=0)
-                trajectory.prompt_length = len(trajectory.token_ids)
+                trajectory.prompt_length, trajectory.prompt = len(trajectory.token_ids), value
                 if trajectory.prompt_length + self.cfg.max_new_tokens > self.cfg.max_context_tokens:
                     trajectory.termination = "context_limit"  # not even one action fits: graded as is
                     self._futures[self.pool.submit(self._timed, episode.env.grade)] = ("grade", episode)

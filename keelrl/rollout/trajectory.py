@@ -33,6 +33,8 @@ class Trajectory:
     actions: list[str] = field(default_factory=list)
     observations: list[str] = field(default_factory=list)
     prompt_length: int = 0
+    prompt: str = ""
+    """The first observation as text: what the prompt's tokens render in the chat template."""
     reward: float = 0.0
     success: bool = False
     partial: float = 0.0
@@ -87,9 +89,12 @@ class Batch:
     turn_ids: Tensor  # [B, T]
     rewards: Tensor  # [B]
     group_ids: Tensor  # [B]
+    observation_mask: Tensor | None = None
+    """[B, T] bool: the environment's tokens after the prompt (tool outputs, observations)."""
 
     def to(self, device: torch.device) -> "Batch":
-        return Batch(**{name: value.to(device) for name, value in self.__dict__.items()})
+        return Batch(**{name: None if value is None else value.to(device)  # type: ignore[arg-type]
+                        for name, value in self.__dict__.items()})
 
 
 def collate(trajectories: Sequence[Trajectory], pad_id: int) -> Batch:
@@ -101,13 +106,15 @@ def collate(trajectories: Sequence[Trajectory], pad_id: int) -> Batch:
     action = torch.zeros((batch, width), dtype=torch.bool)
     behaviour = torch.zeros((batch, width), dtype=torch.float32)
     turns = torch.zeros((batch, width), dtype=torch.long)
+    observation = torch.zeros((batch, width), dtype=torch.bool)
     for row, trajectory in enumerate(trajectories):
         n = len(trajectory.token_ids)
         input_ids[row, :n] = torch.tensor(trajectory.token_ids)
         attention[row, :n] = 1
         action[row, :n] = torch.tensor(trajectory.action_mask)
+        observation[row, trajectory.prompt_length:n] = ~action[row, trajectory.prompt_length:n]
         behaviour[row, :n] = torch.tensor(trajectory.behaviour_logprobs)
         turns[row, :n] = torch.tensor(trajectory.turn_ids)
     rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
     groups = torch.tensor([t.group_id for t in trajectories], dtype=torch.long)
-    return Batch(input_ids, attention, action, behaviour, turns, rewards, groups)
+    return Batch(input_ids, attention, action, behaviour, turns, rewards, groups, observation)

@@ -48,6 +48,7 @@ import torch
 
 from keelrl.algos import compute_advantages, outcome_to_token_rewards, policy_objective, value_loss
 from keelrl.algos.config import AlgoConfig
+from keelrl.algos.distill import forward_kl, generalized_jsd, reverse_kl, sampled_reverse_kl, top_token_disagreement
 from keelrl.algos.losses import aggregate, kl_reward_penalty
 from keelrl.config import KeelConfig, dump_config
 from keelrl.envs.coding import CodingEnv
@@ -60,6 +61,7 @@ from keelrl.policy.critic import build_critic
 from keelrl.policy.model import (chunked_token_logprobs, cpu_has_amx_bf16, learner_autocast, load_policy, resolve_device, row_lengths,
                                  split_rows, token_logprobs)
 from keelrl.policy.prefix import micro_logprobs, plan_passes
+from keelrl.train.distill import Teacher, TeacherView, head_logits
 from keelrl.policy.sampling import SamplingConfig
 from keelrl.rollout.agent_loop import RolloutConfig, model_actor, run_episodes, scripted_actor
 from keelrl.rollout.engines import LocalEngine, RolloutEngine, StepRollouts
@@ -105,7 +107,7 @@ def action_error_frac(trajectories: Sequence[Trajectory]) -> float:
     return sum(t.action_errors for t in trajectories) / max(1, sum(len(t.actions) for t in trajectories))
 
 
-OBJECTIVE_METRICS = frozenset({"policy/loss", "loss/total", "value/loss"})
+OBJECTIVE_METRICS = frozenset({"policy/loss", "loss/total", "value/loss", "distill/loss"})
 """Metrics that are values of the aggregated objective: combined over micro-batches with the
 loss scale. The others are action-token means (combined by token share) or `*_max` (max)."""
 
@@ -206,11 +208,14 @@ def prefix_keys(train: Any, batch: Batch) -> torch.Tensor | None:
 
 def take_rows(batch: Batch, rows: torch.Tensor, width: int) -> Batch:
     """The rows `rows` of `batch`, with [B, T] fields cut to the first `width` positions."""
-    fields = {}
+    fields: dict[str, torch.Tensor | None] = {}
     for name, value in batch.__dict__.items():
+        if value is None:
+            fields[name] = None
+            continue
         value = value[rows]
         fields[name] = value[:, :width] if value.dim() == 2 else value
-    return Batch(**fields)
+    return Batch(**fields)  # type: ignore[arg-type]
 
 
 EXTRA_INDEX_BASE = 1 << 40
@@ -264,6 +269,12 @@ class Trainer:
             self.reference, _ = load_policy(cfg.model.path, self.device)
             self.reference.eval().requires_grad_(False)
         self.train_tasks, self.heldout_tasks = load_task_splits(cfg)
+        self.teacher: Teacher | None = None
+        if cfg.distill.mode != "none":
+            self.teacher = Teacher(cfg.distill, self.model, self.tokenizer, student_name=cfg.model.path,
+                                   device=self.device, tasks=self.train_tasks, temperature=cfg.rollout.temperature,
+                                   max_tokens=cfg.train.micro_batch_tokens)
+        self._teacher_view: TeacherView | None = None
         self.run_dir.mkdir(parents=True, exist_ok=True)  # exists before the sandbox hides it
         self.sandbox = Sandbox(DEFAULT_LIMITS, hidden_paths=self.hidden_paths())
         self.train_verifier = make_verifier(cfg.env.verifier, self.sandbox, partial_credit=cfg.env.partial_credit,
@@ -526,13 +537,21 @@ class Trainer:
         values = prox_out.get("values")
         out = compute_advantages(token_rewards=token_rewards, mask=mask, group_ids=batch.group_ids, cfg=algo,
                                  values=values, turn_ids=batch.turn_ids)
+        advantages = out.advantages
+        distill_stats: dict[str, float] = {}
+        if self.teacher is not None and self._teacher_view is not None:
+            teacher_logp = self.teacher.logprobs(self._teacher_view, mask, keys)
+            sampled_kl = sampled_reverse_kl(prox_logp, teacher_logp).masked_fill(~mask, 0.0)  # [B, T]
+            distill_stats["distill/sampled_kl"] = sampled_kl.sum().item() / max(1, int(mask.sum()))
+            if self.cfg.distill.form == "advantage":  # a dense per-token reward: -coef x the sampled reverse KL
+                advantages = advantages - self.cfg.distill.coef * sampled_kl.to(advantages.dtype)
         same = batch.group_ids.unsqueeze(0) == batch.group_ids.unsqueeze(1)
         spread = torch.where(same, batch.rewards.unsqueeze(0), float("nan"))
         mixed = (spread.nan_to_num(-1e9).amax(1) != spread.nan_to_num(1e9).amin(1)).float()
         stats = {"train/zero_advantage_frac": 1.0 - mixed.mean().item(),
                  "rollout/arrival_is_weight_mean": (arrival * mask).sum().item() / max(1, int(mask.sum())),
-                 "rollout/arrival_is_weight_max": arrival.masked_fill(~mask, 0.0).max().item()}
-        return out.advantages, out.returns, values, ref_logp, prox_logp, stats
+                 "rollout/arrival_is_weight_max": arrival.masked_fill(~mask, 0.0).max().item(), **distill_stats}
+        return advantages, out.returns, values, ref_logp, prox_logp, stats
 
     def rl_step(self, step: int, rollouts: StepRollouts, started: float | None = None) -> dict[str, Any]:
         """One update from `rollouts` (the engine's batch for `step`); returns the step's metrics row."""
@@ -549,6 +568,7 @@ class Trainer:
                     "time/step_s": time.monotonic() - started}
         learn_started = time.monotonic()
         batch = collate(trajectories, self.pad_id).to(self.device)
+        self._teacher_view = None if self.teacher is None else self.teacher.view(batch, trajectories, self.pad_id)
         advantages, returns, old_values, ref_all, prox_all, stats = self._advantages(batch)
         algo, train = self.cfg.algo, self.cfg.train
         lr = train.lr * min(1.0, step / train.warmup_steps) if train.warmup_steps else train.lr  # step >= 1
@@ -628,17 +648,24 @@ class Trainer:
         action_tokens = int(mask.sum())
         parts: list[tuple[dict[str, torch.Tensor], float, float, bool]] = []
         keys = prefix_keys(self.cfg.train, batch)
+        distill = self.cfg.distill
+        loss_teacher = self.teacher if distill.form == "loss" else None
+        observation_coef = 0.0 if batch.observation_mask is None else distill.observation_coef
+        observed = batch.observation_mask[rows] if observation_coef > 0 else None  # type: ignore[index]
+        observation_tokens = max(1, int(observed.sum())) if observed is not None else 1
+        observation_nll = 0.0
+        scored = mask if observed is None else mask | observed
         for plan in plan_passes(batch.input_ids[rows], batch.attention_mask[rows], self.cfg.train.micro_batch_tokens,
                                 keys=None if keys is None else keys[rows.cpu()],
-                                positions=mask):
+                                positions=scored):
             group, width = list(plan.rows), plan.width
             micro_rows = rows[torch.tensor(group, device=rows.device)]
             micro = take_rows(batch, micro_rows, width)
             scale = micro_batch_scale(minibatch_weights[group, :width], micro.action_mask, algo)
             with self.autocast():
                 out = micro_logprobs(self.model, micro.input_ids, micro.attention_mask, plan, with_entropy=True,
-                                     with_hidden=self.value_head is not None, positions=micro.action_mask,
-                                     temperature=self.cfg.rollout.temperature)
+                                     with_hidden=self.value_head is not None or loss_teacher is not None,
+                                     positions=scored[group, :width], temperature=self.cfg.rollout.temperature)
             ref = None if ref_all is None or algo.kl_in_reward else ref_all[micro_rows, :width]
             loss, metrics = policy_objective(logp=out["logp"], old_logp=micro.behaviour_logprobs,
                                              advantages=advantages[micro_rows, :width], mask=micro.action_mask,
@@ -650,13 +677,49 @@ class Trainer:
                                              returns[micro_rows, :width], micro.action_mask, algo)
                 loss = loss + algo.value_coef * vloss
                 metrics.update(vmetrics)
-            if not torch.isfinite(loss):
+            if loss_teacher is not None:
+                dloss, dmetrics = self._distill_loss(loss_teacher, out["hidden"], micro.action_mask, micro_rows)
+                loss = loss + dloss
+                metrics.update(dmetrics)
+            total = loss * scale
+            if observed is not None:  # Echo: next-token loss on the observation tokens, minibatch token mean
+                micro_observed = observed[group, :width]
+                nll = -out["logp"].masked_fill(~micro_observed, 0.0).sum() / observation_tokens
+                total = total + observation_coef * nll
+                observation_nll += float(nll)
+            if not torch.isfinite(total):
                 return None, len(parts) + 1
-            if loss.requires_grad:  # a micro-batch without action tokens has no graph: nothing to add
-                (loss * scale).backward()
+            if total.requires_grad:  # a micro-batch without action tokens has no graph: nothing to add
+                total.backward()
             micro_tokens = int(micro.action_mask.sum())
             parts.append((metrics, scale, micro_tokens / max(1, action_tokens), micro_tokens > 0))
-        return combine_micro_metrics(parts), len(parts)
+        combined = combine_micro_metrics(parts)
+        if observed is not None:
+            combined["train/observation_nll"] = observation_nll
+            combined["train/observation_tokens"] = float(observed.sum())
+        return combined, len(parts)
+
+    def _distill_loss(self, teacher: Teacher, hidden: torch.Tensor, action_mask: torch.Tensor,
+                      rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """coef x the aggregated divergence between the student's and the teacher's next-token
+        distributions at each action token of a micro-batch (distill.form=loss), and its metrics."""
+        assert self._teacher_view is not None
+        cfg, algo = self.cfg.distill, self.cfg.algo
+        student = head_logits(self.model, hidden, action_mask, self.cfg.rollout.temperature)  # [n, V]
+        target = teacher.action_logits(self._teacher_view, rows)  # [n, V]
+        if cfg.divergence == "reverse_kl":
+            per_token = reverse_kl(student, target)
+        elif cfg.divergence == "forward_kl":
+            per_token = forward_kl(student, target, top_k=cfg.top_k or None)
+        else:
+            per_token = generalized_jsd(student, target, beta=cfg.beta)
+        where = action_mask[:, 1:].nonzero(as_tuple=True)
+        dense = torch.zeros(action_mask.shape, dtype=per_token.dtype, device=per_token.device)
+        dense = dense.index_put((where[0], where[1] + 1), per_token)
+        loss = cfg.coef * aggregate(dense, action_mask, algo)
+        count = max(1, per_token.numel())
+        return loss, {"distill/loss": loss.detach(), "distill/kl": per_token.detach().sum() / count,
+                      "distill/top_token_differs": top_token_disagreement(student.detach(), target).sum() / count}
 
     @staticmethod
     def _groups(trajectories: Sequence[Trajectory]) -> list[list[Trajectory]]:
