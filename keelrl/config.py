@@ -277,6 +277,50 @@ class WarmStartConfig:
             raise ConfigError("mistake_rate", f"must be in [0, 1], got {self.mistake_rate!r}")
 
 
+@dataclasses.dataclass
+class CurriculumSettings:
+    """A success-rate curriculum over the training tasks (keelrl/train/curriculum.py): practise
+    what the policy sometimes solves, raise difficulty as it improves, never drop a task."""
+
+    enabled: bool = False
+    """Sample each RL step's tasks from the curriculum's weights instead of uniformly."""
+    band_low: float = 0.1
+    """Lowest success rate counted as "sometimes solved" (full weight)."""
+    band_high: float = 0.9
+    """Highest success rate counted as "sometimes solved"."""
+    probe_weight: float = 0.25
+    """Weight of an admitted task not (yet) in the band: it is still tried and measured."""
+    advance_at: float = 0.6
+    """Mean success over the current level's measured tasks that admits the next level."""
+    min_attempts: int = 2
+    """Attempts before a task's success rate counts."""
+    levels: str = ""
+    """Difficulty level of each bug kind, as kind:level pairs ("off_by_one:0,wrong_default:1");
+    unnamed kinds are level 0. Empty: one level (the band alone decides)."""
+
+    def __post_init__(self) -> None:
+        from keelrl.train.curriculum import CurriculumConfig
+
+        try:
+            CurriculumConfig(band=(self.band_low, self.band_high), probe_weight=self.probe_weight,
+                             advance_at=self.advance_at, min_attempts=self.min_attempts)
+        except ValueError as error:
+            field = next((name for name in ("band", "probe_weight", "advance_at", "min_attempts")
+                          if f"curriculum {name}" in str(error)), "enabled")
+            raise ConfigError("band_low" if field == "band" else field, str(error)) from None
+        self.level_of()  # parses, or names the bad pair
+
+    def level_of(self) -> dict[str, int]:
+        """`levels` as {kind: level}."""
+        table: dict[str, int] = {}
+        for pair in filter(None, (part.strip() for part in self.levels.split(","))):
+            kind, _, level = pair.partition(":")
+            if not kind or not level.strip().isdigit():
+                raise ConfigError("levels", f"expected kind:level pairs like off_by_one:1, got {pair!r}")
+            table[kind.strip()] = int(level)
+        return table
+
+
 DISTILL_MODES = ("none", "on_policy", "self")
 DISTILL_FORMS = ("advantage", "loss")
 DISTILL_DIVERGENCES = ("reverse_kl", "forward_kl", "jsd")
@@ -392,6 +436,8 @@ class KeelConfig:
     """Alarms over the run's metrics."""
     distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
     """Learning from a teacher during RL (distillation, observation loss)."""
+    curriculum: CurriculumSettings = dataclasses.field(default_factory=CurriculumSettings)
+    """Which training tasks each RL step draws (a success-rate curriculum, or uniform)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not _DEVICE_PATTERN.match(self.device):

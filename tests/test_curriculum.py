@@ -80,3 +80,44 @@ def test_bad_curriculum_settings_are_named():
         CurriculumConfig(probe_weight=0.0)
     with pytest.raises(ValueError, match="at least one task"):
         Curriculum([])
+
+
+def test_a_run_draws_only_admitted_tasks_logs_the_curriculum_and_resumes_it(tmp_path):
+    import json
+
+    from keelrl.config import TINY_RUN, load_config
+    from keelrl.policy.tiny import TinyModelSpec, save_tiny_default
+    from keelrl.train.trainer import Trainer, load_task_splits
+
+    model_dir = save_tiny_default(tmp_path / "model", TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2,
+                                                                    intermediate=128, max_positions=2048))
+    base = [*TINY_RUN, f"model.path={model_dir}", "rollout.engine=sync", "train.eval_every=3", "train.eval_tasks=2",
+            "warm_start.demos=4", "rollout.tasks_per_step=3", "rollout.group_size=2", "rollout.max_new_tokens=16",
+            "env.max_turns=2", "train.steps=3", "train.checkpoint_every=1", "curriculum.enabled=true",
+            "curriculum.min_attempts=1"]
+    train_tasks, _ = load_task_splits(load_config(overrides=base))
+    kinds = sorted({task.kind for task in train_tasks})
+    easy = kinds[0]
+    base.append("curriculum.levels=" + ",".join(f"{kind}:1" for kind in kinds[1:]))
+    full = tmp_path / "full"
+    trainer = Trainer(load_config(overrides=[*base, f"run_dir={full}"]))
+    drawn = []
+    original = trainer.requests_for
+    trainer.requests_for = lambda step: drawn.append(original(step)) or drawn[-1]  # type: ignore[method-assign]
+    trainer.run()
+    rows = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()][1:]
+    first_step_kinds = {request.task.kind for request in drawn[0]}
+    assert first_step_kinds == {easy}  # level 1 is not admitted before level 0 is mastered
+    assert all(0 <= row["curriculum/band_occupancy"] <= 1 and row["curriculum/level"] in (0, 1) for row in rows)
+    assert [row["curriculum/attempts"] for row in rows] == [6, 12, 18]  # 3 tasks x 2 attempts a step
+    assert rows[0]["curriculum/admitted_frac"] == pytest.approx(sum(t.kind == easy for t in train_tasks)
+                                                               / len(train_tasks))
+    # Killed after step 1 and resumed: the curriculum's counts come back, so steps 2-3 draw the same tasks.
+    part = tmp_path / "part"
+    Trainer(load_config(overrides=[*base, f"run_dir={part}"])).run(stop_after=1)
+    Trainer(load_config(part / "config.yaml")).run(resume=True)
+    resumed = [json.loads(line) for line in (part / "metrics.jsonl").read_text().splitlines()][1:]
+    for want, got in zip(rows, resumed):
+        for key in ("curriculum/level", "curriculum/admitted_frac", "curriculum/weight_entropy", "curriculum/attempts",
+                    "train/reward"):
+            assert got[key] == pytest.approx(want[key], rel=1e-6), key

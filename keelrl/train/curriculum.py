@@ -107,13 +107,15 @@ class Curriculum:
         self.level = self.top
         self.weights = [1.0] * len(self.levels)
 
-    def sample(self, count: int) -> list[int]:
-        """`count` distinct tasks (fewer if fewer are admitted), drawn in proportion to weight."""
+    def sample(self, count: int, rng: random.Random | None = None) -> list[int]:
+        """`count` distinct tasks (fewer if fewer are admitted), drawn in proportion to weight
+        (from `rng`, else the curriculum's own generator)."""
+        rng = rng or self._rng
         pool = [(task, weight) for task, weight in enumerate(self.weights) if weight > 0]
         chosen: list[int] = []
         while pool and len(chosen) < count:
             total = sum(weight for _, weight in pool)
-            point = self._rng.random() * total
+            point = rng.random() * total
             for index, (task, weight) in enumerate(pool):
                 point -= weight
                 if point < 0 or index == len(pool) - 1:
@@ -122,9 +124,23 @@ class Curriculum:
                     break
         return chosen
 
+    def state_dict(self) -> dict[str, object]:
+        """What a checkpoint keeps: the level, the counts and the weights."""
+        return {"level": self.level, "attempts": list(self.attempts), "successes": list(self.successes),
+                "weights": list(self.weights)}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        attempts, successes, weights = state["attempts"], state["successes"], state["weights"]
+        assert isinstance(attempts, list) and isinstance(successes, list) and isinstance(weights, list)
+        if not len(attempts) == len(successes) == len(weights) == len(self.levels):
+            raise ValueError(f"curriculum state for {len(weights)} tasks; this curriculum has {len(self.levels)}")
+        level = state["level"]
+        assert isinstance(level, int)
+        self.level, self.attempts, self.successes, self.weights = level, list(attempts), list(successes), list(weights)
+
     def metrics(self) -> dict[str, float]:
-        """curriculum/level, admitted share, band occupancy (admitted measured tasks in the band)
-        and the entropy of the normalised weights."""
+        """curriculum/level, admitted share, band occupancy (admitted measured tasks in the band),
+        the entropy of the normalised weights and the attempts recorded so far."""
         low, high = self.cfg.band
         admitted = [t for t, w in enumerate(self.weights) if w > 0]
         measured = [r for t in admitted for r in [self.rate(t)] if r is not None]
@@ -134,4 +150,5 @@ class Curriculum:
                 "curriculum/admitted_frac": len(admitted) / len(self.weights),
                 "curriculum/band_occupancy": (sum(low <= r <= high for r in measured) / len(measured)
                                               if measured else 0.0),
-                "curriculum/weight_entropy": entropy}
+                "curriculum/weight_entropy": entropy,
+                "curriculum/attempts": float(sum(self.attempts))}

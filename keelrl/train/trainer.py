@@ -40,6 +40,7 @@ import random
 import resource
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -61,6 +62,7 @@ from keelrl.policy.critic import build_critic
 from keelrl.policy.model import (chunked_token_logprobs, cpu_has_amx_bf16, learner_autocast, load_policy, resolve_device, row_lengths,
                                  split_rows, token_logprobs)
 from keelrl.policy.prefix import micro_logprobs, plan_passes
+from keelrl.train.curriculum import Curriculum, CurriculumConfig
 from keelrl.train.distill import Teacher, TeacherView, head_logits
 from keelrl.policy.sampling import SamplingConfig
 from keelrl.rollout.agent_loop import RolloutConfig, model_actor, run_episodes, scripted_actor
@@ -275,6 +277,15 @@ class Trainer:
                                    device=self.device, tasks=self.train_tasks, temperature=cfg.rollout.temperature,
                                    max_tokens=cfg.train.micro_batch_tokens)
         self._teacher_view: TeacherView | None = None
+        self.curriculum: Curriculum | None = None
+        self._curriculum_lock = threading.Lock()
+        if cfg.curriculum.enabled:
+            c = cfg.curriculum
+            levels = c.level_of()
+            self.curriculum = Curriculum([levels.get(getattr(task, "kind", ""), 0) for task in self.train_tasks],
+                                         CurriculumConfig(band=(c.band_low, c.band_high), probe_weight=c.probe_weight,
+                                                          advance_at=c.advance_at, min_attempts=c.min_attempts),
+                                         seed=cfg.seed)
         self.run_dir.mkdir(parents=True, exist_ok=True)  # exists before the sandbox hides it
         self.sandbox = Sandbox(DEFAULT_LIMITS, hidden_paths=self.hidden_paths())
         self.train_verifier = make_verifier(cfg.env.verifier, self.sandbox, partial_credit=cfg.env.partial_credit,
@@ -368,10 +379,15 @@ class Trainer:
                              env_threads=r.env_threads, interruptible=r.interruptible)
 
     def requests_for(self, step: int) -> list[GroupRequest]:
-        """The group requests of RL step `step`: a function of (seed, step) only."""
+        """The group requests of RL step `step`: a function of (seed, step) only, or with a
+        curriculum of (seed, step, the curriculum's state when the engine asks)."""
         r = self.cfg.rollout
         rng = random.Random(f"{self.cfg.seed}:step:{step}")
-        chosen = rng.sample(self.train_tasks, min(r.tasks_per_step, len(self.train_tasks)))
+        if self.curriculum is not None:  # from the curriculum's weights as they are now (and the same step seed)
+            with self._curriculum_lock:
+                chosen = [self.train_tasks[i] for i in self.curriculum.sample(r.tasks_per_step, rng)]
+        else:
+            chosen = rng.sample(self.train_tasks, min(r.tasks_per_step, len(self.train_tasks)))
         return [GroupRequest(index=(step - 1) * r.tasks_per_step + i, task=task, group_size=r.group_size,
                              seed=(self.cfg.seed * 1_000_003 + step) * 1009 + i, group_id=i)
                 for i, task in enumerate(chosen)]
@@ -629,7 +645,20 @@ class Trainer:
         if self.device.type == "cuda":  # the next row's peak covers the next step only
             torch.cuda.reset_peak_memory_stats(self.device)
         self._write_samples(step, rollouts.trajectories)  # failed episodes too: they show the error
+        if self.curriculum is not None:
+            row.update(self._record_curriculum(trajectories))
         return row
+
+    def _record_curriculum(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+        """Each graded attempt's outcome into the curriculum, then its update; -> its metrics."""
+        assert self.curriculum is not None
+        index = {task.id: i for i, task in enumerate(self.train_tasks)}
+        with self._curriculum_lock:
+            for trajectory in trajectories:
+                if trajectory.task_id in index:  # dynamic sampling's extra groups are training tasks too
+                    self.curriculum.record(index[trajectory.task_id], trajectory.success)
+            self.curriculum.update()
+            return self.curriculum.metrics()
 
     def accumulate_gradients(self, batch: Batch, rows: torch.Tensor, advantages: torch.Tensor,
                              returns: torch.Tensor, old_values: torch.Tensor | None, ref_all: torch.Tensor | None,
@@ -747,7 +776,8 @@ class Trainer:
             state = {"step": self.step, "optimizer": self.optimizer.state_dict(),
                      "skipped_steps": self.skipped_steps, "summary": self.summary,
                      "torch_rng": torch.random.get_rng_state(),
-                     "value_head": self.value_head.state_dict() if self.value_head is not None else None}
+                     "value_head": self.value_head.state_dict() if self.value_head is not None else None,
+                     "curriculum": self.curriculum.state_dict() if self.curriculum is not None else None}
             torch.save(state, folder / "state.pt")
 
         return save_checkpoint(self.run_dir, self.step, write)
@@ -766,6 +796,8 @@ class Trainer:
         self.model.load_state_dict(loaded.state_dict())
         if self.value_head is not None and state["value_head"] is not None:
             self.value_head.load_state_dict(state["value_head"])
+        if self.curriculum is not None and state.get("curriculum") is not None:
+            self.curriculum.load_state_dict(state["curriculum"])
         self.optimizer = self._optimizer(self.cfg.train.lr)
         self.optimizer.load_state_dict(state["optimizer"])
         torch.random.set_rng_state(state["torch_rng"])
