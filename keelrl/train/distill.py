@@ -28,6 +28,7 @@ from torch import Tensor
 
 from keelrl.config import DistillConfig
 from keelrl.policy.model import chunked_token_logprobs, load_policy
+from keelrl.policy.prefix import can_share, find_prefix_units, prefix_token_logprobs
 from keelrl.rollout.scheduler import prompt_tokens
 from keelrl.rollout.trajectory import Batch, Trajectory
 
@@ -137,8 +138,14 @@ class Teacher:
         teacher = view.batch
         width = int(teacher.attention_mask[rows].sum(1).max())
         ids, attention = teacher.input_ids[rows, :width], teacher.attention_mask[rows, :width]
-        hidden = self.scorer.model(input_ids=ids, attention_mask=attention, use_cache=False).last_hidden_state
-        return head_logits(self.scorer, hidden, teacher.action_mask[rows, :width], self.temperature)
+        action = teacher.action_mask[rows, :width]
+        units = find_prefix_units(ids, attention, teacher.group_ids[rows].cpu(), action)
+        if can_share(self.scorer, units):  # a group's shared prompt runs once (keelrl.policy.prefix)
+            hidden = prefix_token_logprobs(self.scorer, ids, attention, units, positions=action,
+                                           with_hidden=True)["hidden"]
+        else:
+            hidden = self.scorer.model(input_ids=ids, attention_mask=attention, use_cache=False).last_hidden_state
+        return head_logits(self.scorer, hidden, action, self.temperature)
 
 
 def head_logits(model: Any, hidden: Tensor, action_mask: Tensor, temperature: float) -> Tensor:

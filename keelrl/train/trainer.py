@@ -715,7 +715,7 @@ class Trainer:
                 micro_observed = observed[group, :width]
                 nll = -out["logp"].masked_fill(~micro_observed, 0.0).sum() / observation_tokens
                 total = total + observation_coef * nll
-                observation_nll += float(nll)
+                observation_nll += float(nll.detach())
             if not torch.isfinite(total):
                 return None, len(parts) + 1
             if total.requires_grad:  # a micro-batch without action tokens has no graph: nothing to add
