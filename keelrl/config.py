@@ -353,6 +353,11 @@ class DistillConfig:
     top_k: int = 0
     """With divergence=forward_kl: keep the teacher's top k tokens and one bucket for the rest
     (0 = the whole vocabulary)."""
+    student_share: float = 1.0
+    """GKD's lambda: the share of RL steps whose histories the student samples; the others
+    train on histories the teacher samples on the same tasks (mode=on_policy, form=loss;
+    0 = plain off-policy distillation on teacher histories). A teacher-history step has no RL
+    term: its advantages are 0 and its old log-probs are the student's own."""
     observation_coef: float = 0.0
     """Echo: weight of a next-token loss on environment-observation tokens (tool outputs), in
     the update's forward pass; 0 = off. Observation tokens never get a policy-gradient loss."""
@@ -372,6 +377,11 @@ class DistillConfig:
             raise ConfigError("beta", f"must be in [0, 1], got {self.beta!r}")
         if self.top_k < 0:
             raise ConfigError("top_k", f"must be >= 0, got {self.top_k!r}")
+        if not 0.0 <= self.student_share <= 1.0:
+            raise ConfigError("student_share", f"must be in [0, 1], got {self.student_share!r}")
+        if self.student_share < 1.0 and (self.mode != "on_policy" or self.form != "loss"):
+            raise ConfigError("student_share", "teacher-sampled histories need distill.mode=on_policy and "
+                                               "distill.form=loss (there is no sampled KL to reward on them)")
         if not (self.observation_coef >= 0 and math.isfinite(self.observation_coef)):
             raise ConfigError("observation_coef", f"must be a finite number >= 0, got {self.observation_coef!r}")
 

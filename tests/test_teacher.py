@@ -248,3 +248,34 @@ def test_a_run_with_each_teacher_mode_trains_and_logs_its_metrics(model_dir, tmp
         if name == "self-loss":
             assert row["distill/kl"] >= 0 and 0 <= row["distill/top_token_differs"] <= 1
             assert row["train/observation_tokens"] > 0 and row["train/observation_nll"] > 0
+
+
+def test_teacher_sampled_steps_distil_on_the_teachers_histories_without_an_rl_term(model_dir, tmp_path):
+    """GKD's student share: with distill.student_share=0 every step's histories are the teacher's
+    samples (its log-probs as behaviour), on the step's own tasks, and the update is the
+    distillation loss alone (zero advantages, old log-probs the student's own)."""
+    with pytest.raises(ConfigError, match="student_share"):
+        load_config(overrides=["distill.mode=on_policy", "distill.teacher=x", "distill.student_share=0.5"])
+    teacher_dir = save_tiny_default(tmp_path / "teacher", TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2,
+                                                                        intermediate=128, max_positions=2048, seed=7))
+    cfg = load_config(overrides=[*FAST, f"run_dir={tmp_path / 'run'}", f"model.path={model_dir}",
+                                 "distill.mode=on_policy", f"distill.teacher={teacher_dir}", "distill.form=loss",
+                                 "distill.divergence=forward_kl", "distill.student_share=0", "train.steps=2"])
+    trainer = Trainer(cfg)
+    assert trainer.teacher_samples(1) and trainer.teacher_samples(2)
+    rollouts = trainer.teacher_rollouts(1)
+    tasks = [request.task.id for request in trainer.requests_for(1) for _ in range(request.group_size)]
+    assert [t.task_id for t in rollouts.trajectories] == tasks
+    for trajectory in rollouts.trajectories[:2]:
+        ids = torch.tensor([trajectory.token_ids])
+        for model, should_match in ((trainer.teacher.model, True), (trainer.model, False)):
+            logp = token_logprobs(model, ids, torch.ones_like(ids), temperature=cfg.rollout.temperature)["logp"][0]
+            actions = torch.tensor(trajectory.action_mask)
+            matches = torch.allclose(logp[actions], torch.tensor(trajectory.behaviour_logprobs)[actions], atol=1e-4)
+            assert matches == should_match
+    trainer.run()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][1:]
+    for row in rows:
+        assert row["distill/teacher_histories"] == 1.0 and row["distill/kl"] > 0
+        assert row["policy/loss"] == pytest.approx(0.0, abs=1e-6) and row["distill/loss"] > 0
+        assert row["rollout/arrival_is_weight_max"] == 1.0 and "distill/sampled_kl" not in row

@@ -569,8 +569,32 @@ class Trainer:
                  "rollout/arrival_is_weight_max": arrival.masked_fill(~mask, 0.0).max().item(), **distill_stats}
         return advantages, out.returns, values, ref_logp, prox_logp, stats
 
-    def rl_step(self, step: int, rollouts: StepRollouts, started: float | None = None) -> dict[str, Any]:
-        """One update from `rollouts` (the engine's batch for `step`); returns the step's metrics row."""
+    def teacher_samples(self, step: int) -> bool:
+        """Whether step `step` trains on teacher-sampled histories (GKD's 1 - lambda of the steps,
+        chosen by the seed and the step alone)."""
+        share = self.cfg.distill.student_share
+        return self.teacher is not None and share < 1.0 and random.Random(f"{self.cfg.seed}:gkd:{step}").random() >= share
+
+    def teacher_rollouts(self, step: int) -> StepRollouts:
+        """The step's groups (the same tasks, seeds and group ids as the student's), sampled by
+        the teacher at the rollout temperature."""
+        assert self.teacher is not None and self.teacher.model is not None
+        r = self.cfg.rollout
+        requests = self.requests_for(step)
+        tasks = [request.task for request in requests for _ in range(request.group_size)]
+        groups = [request.group_id for request in requests for _ in range(request.group_size)]
+        sampling = SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
+        trajectories = run_episodes(self._env(training=True), tasks, self.tokenizer,
+                                    model_actor(self.teacher.model, self.tokenizer, sampling),
+                                    self._rollout_cfg(1), group_ids=groups, seed=requests[0].seed if requests else 0)
+        return StepRollouts(trajectories, {"distill/teacher_histories": 1.0})
+
+    def rl_step(self, step: int, rollouts: StepRollouts, started: float | None = None,
+                teacher_histories: bool = False) -> dict[str, Any]:
+        """One update from `rollouts` (the engine's batch for `step`); returns the step's metrics row.
+
+        `teacher_histories`: the trajectories are the teacher's (`teacher_rollouts`): no RL term
+        (advantages 0, old log-probs the student's own), the distillation loss alone."""
         started = time.monotonic() if started is None else started
         # A group with an episode whose environment failed (ungraded, reward NaN) has no baseline:
         # it is left out whole, and counted.
@@ -586,6 +610,11 @@ class Trainer:
         batch = collate(trajectories, self.pad_id).to(self.device)
         self._teacher_view = None if self.teacher is None else self.teacher.view(batch, trajectories, self.pad_id)
         advantages, returns, old_values, ref_all, prox_all, stats = self._advantages(batch)
+        if teacher_histories:  # another policy's samples: distil on them, do not reinforce them
+            advantages = torch.zeros_like(advantages)
+            batch.behaviour_logprobs = prox_all.to(batch.behaviour_logprobs.dtype).masked_fill(~batch.action_mask, 0.0)
+            stats.pop("distill/sampled_kl", None)  # a KL under the teacher's samples, not the student's
+            stats.update({"rollout/arrival_is_weight_mean": 1.0, "rollout/arrival_is_weight_max": 1.0})
         algo, train = self.cfg.algo, self.cfg.train
         lr = train.lr * min(1.0, step / train.warmup_steps) if train.warmup_steps else train.lr  # step >= 1
         for group in self.optimizer.param_groups:
@@ -870,10 +899,16 @@ class Trainer:
                     break
                 step = self.step + 1
                 started = time.monotonic()
-                rollouts = engine.batch(step)
-                if self.cfg.algo.dynamic_sampling:
-                    rollouts = self.dynamic_fill(engine, step, rollouts)
-                row = self.rl_step(step, rollouts, started)
+                teacher_step = self.teacher_samples(step)
+                if teacher_step and engine.name == "sync":
+                    rollouts = self.teacher_rollouts(step)
+                else:
+                    rollouts = engine.batch(step)  # (an async engine's batch is made anyway: keep its stream)
+                    if teacher_step:
+                        rollouts = self.teacher_rollouts(step)
+                    elif self.cfg.algo.dynamic_sampling:
+                        rollouts = self.dynamic_fill(engine, step, rollouts)
+                row = self.rl_step(step, rollouts, started, teacher_histories=teacher_step)
                 self.publish(engine, step)
                 if step % self.cfg.train.eval_every == 0 or step == total:
                     row.update(self.evaluate())
