@@ -39,6 +39,7 @@ def test_user_overrides_win_over_every_lab_default(tmp_path):
 
 def test_user_overrides_win_over_each_variants_own_settings(tmp_path, monkeypatch):
     import keelrl.labs as labs
+    import keelrl.labs.common as common
     import keelrl.train.trainer as trainer_module
 
     seen = {}
@@ -50,11 +51,11 @@ def test_user_overrides_win_over_each_variants_own_settings(tmp_path, monkeypatc
         def run(self):
             return {}
 
-    monkeypatch.setattr(labs, "_warm_model", lambda out, overrides: tmp_path / "warm")
+    monkeypatch.setattr(common, "warm_model", lambda out, overrides: tmp_path / "warm")
     monkeypatch.setattr(trainer_module, "Trainer", Recorder)
 
     def lab(out, settings, quick, progress):  # a lab whose variant pins train.steps and the verifier
-        labs._train_variants(out, {"v": ["train.steps=20", "env.verifier=weak"]}, settings, progress)
+        common.train_variants(out, {"v": ["train.steps=20", "env.verifier=weak"]}, settings, progress)
         return labs.LabResult("fake", {}, "")
 
     monkeypatch.setitem(labs.LABS, "fake", ("a fake lab", lab, labs.GUESS))

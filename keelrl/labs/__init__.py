@@ -1,0 +1,82 @@
+"""Labs: small, reproducible experiments that show a failure mode and its remedy side by side.
+
+`keel lab NAME [--out DIR] [--quick] [key=value ...]` runs one lab on CPU within a small budget
+and writes, into its directory (runs/lab-NAME by default): `summary.md` (what was run and the
+headline numbers), `results.json` (every number behind them) and one or more PNG charts.
+`--quick` shrinks everything for a smoke run; overrides apply to every training run of the
+lab (e.g. `device=cuda`).
+
+Labs that compare training variants share one warm start: it runs once, is saved under
+warm/model, and every variant starts RL from it with the same seed, so the variants differ in
+the one setting the lab is about.
+
+One module per lab, each described in its docstring: `stale_ratios`, `dynamic_sampling`,
+`entropy`, `reward_hacking` and `credit`; `common` holds their shared settings and helpers. This
+module keeps the registry (`LABS`) and `run_lab`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+from keelrl.labs.common import (ENTROPY, GUESS, HACK, LAB_FAST, QUICK, QUICK_GUESS, USER_OVERRIDES, LabResult,
+                                config)
+from keelrl.labs.credit import lab_credit
+from keelrl.labs.dynamic_sampling import lab_dynamic_sampling
+from keelrl.labs.entropy import lab_entropy
+from keelrl.labs.reward_hacking import lab_reward_hacking
+from keelrl.labs.stale_ratios import RATIO_CLIPS, lab_stale_ratios
+
+__all__ = [
+    "ENTROPY", "GUESS", "HACK", "LABS", "LAB_FAST", "QUICK", "QUICK_GUESS", "RATIO_CLIPS", "LabFn", "LabResult",
+    "lab_credit", "lab_dynamic_sampling", "lab_entropy", "lab_reward_hacking", "lab_settings", "lab_stale_ratios",
+    "run_lab",
+]
+
+LabFn = Callable[[Path, Sequence[str], bool, Callable[[str], None]], LabResult]
+
+LABS: dict[str, tuple[str, LabFn, list[str]]] = {
+    "stale-ratios": ("importance weights by ratio type, staleness and length", lab_stale_ratios, []),
+    "dynamic-sampling": ("DAPO with and without dynamic sampling (guessing game)", lab_dynamic_sampling, GUESS),
+    "entropy": ("entropy collapse without a bonus vs with one (guessing game)", lab_entropy, ENTROPY),
+    "reward-hacking": ("training on the weak verifier vs the strong one (guessing game)", lab_reward_hacking, HACK),
+    "credit": ("critic + turn-level GAE vs GRPO group credit (guessing game)", lab_credit, GUESS),
+}
+"""name -> (description, function, the settings it runs on over LAB_FAST)."""
+
+
+def lab_settings(name: str, overrides: Sequence[str] = (), quick: bool = False) -> list[str]:
+    """The overrides every training run of lab `name` starts from; the user's come last and win."""
+    base = LABS[name][2]
+    quick_settings = (QUICK_GUESS if "env.name=guess" in base else QUICK) if quick else []
+    from keelrl.config import TINY_RUN
+
+    return [*TINY_RUN, *LAB_FAST, *base, *quick_settings, *overrides]
+
+
+def run_lab(name: str, out: str | Path | None = None, overrides: Sequence[str] = (), quick: bool = False,
+            progress: Callable[[str], None] | None = None) -> LabResult:
+    """Run lab `name` into `out` (default runs/lab-NAME); writes summary.md and results.json."""
+    if name not in LABS:
+        raise KeyError(f"unknown lab {name!r}; valid names: {', '.join(LABS)}")
+    directory = Path(out or f"runs/lab-{name}")
+    directory.mkdir(parents=True, exist_ok=True)
+    function = LABS[name][1]
+    settings = lab_settings(name, overrides, quick)
+    config(directory, settings)  # a bad override fails here, before any work
+    started = time.monotonic()
+    token = USER_OVERRIDES.set(tuple(overrides))
+    try:
+        result = function(directory, settings, quick, progress or (lambda message: None))
+    finally:
+        USER_OVERRIDES.reset(token)
+    seconds = time.monotonic() - started
+    result.numbers = {**result.numbers, "lab_seconds": round(seconds, 1)}
+    result.summary += f"\n\nLab wall time: {seconds:.0f} s."
+    (directory / "summary.md").write_text(result.summary + "\n")
+    (directory / "results.json").write_text(json.dumps(result.numbers, indent=2, default=str))
+    result.files += [directory / "summary.md", directory / "results.json"]
+    return result
