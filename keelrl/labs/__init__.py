@@ -11,8 +11,8 @@ warm/model, and every variant starts RL from it with the same seed, so the varia
 the one setting the lab is about.
 
 One module per lab, each described in its docstring: `stale_ratios`, `dynamic_sampling`,
-`entropy`, `reward_hacking` and `credit`; `common` holds their shared settings and helpers. This
-module keeps the registry (`LABS`) and `run_lab`.
+`entropy`, `reward_hacking`, `credit` and `distill` (on SmolLM2); `common` holds their shared
+settings and helpers. This module keeps the registry (`LABS`) and `run_lab`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 from keelrl.labs.common import (ENTROPY, GUESS, HACK, LAB_FAST, QUICK, QUICK_GUESS, USER_OVERRIDES, LabResult,
                                 config)
 from keelrl.labs.credit import lab_credit
+from keelrl.labs.distill import DISTILL, DISTILL_QUICK, lab_distill
 from keelrl.labs.dynamic_sampling import lab_dynamic_sampling
 from keelrl.labs.entropy import lab_entropy
 from keelrl.labs.reward_hacking import lab_reward_hacking
@@ -32,7 +33,8 @@ from keelrl.labs.stale_ratios import RATIO_CLIPS, lab_stale_ratios
 
 __all__ = [
     "ENTROPY", "GUESS", "HACK", "LABS", "LAB_FAST", "QUICK", "QUICK_GUESS", "RATIO_CLIPS", "LabFn", "LabResult",
-    "lab_credit", "lab_dynamic_sampling", "lab_entropy", "lab_reward_hacking", "lab_settings", "lab_stale_ratios",
+    "lab_credit", "lab_distill", "lab_dynamic_sampling", "lab_entropy", "lab_reward_hacking", "lab_settings",
+    "lab_stale_ratios",
     "run_lab",
 ]
 
@@ -44,13 +46,21 @@ LABS: dict[str, tuple[str, LabFn, list[str]]] = {
     "entropy": ("entropy collapse without a bonus vs with one (guessing game)", lab_entropy, ENTROPY),
     "reward-hacking": ("training on the weak verifier vs the strong one (guessing game)", lab_reward_hacking, HACK),
     "credit": ("critic + turn-level GAE vs GRPO group credit (guessing game)", lab_credit, GUESS),
+    "distill": ("GRPO vs on-policy distillation vs self-distillation (SmolLM2)", lab_distill, DISTILL),
 }
-"""name -> (description, function, the settings it runs on over LAB_FAST)."""
+"""name -> (description, function, the settings it runs on over LAB_FAST; those of a lab in
+REAL_MODEL_LABS are complete on their own)."""
+
+REAL_MODEL_LABS = {"distill": DISTILL_QUICK}
+"""Labs that run the default pretrained model, not the tiny one: their settings replace the tiny
+recipe and LAB_FAST, and --quick swaps in the given tiny-model settings."""
 
 
 def lab_settings(name: str, overrides: Sequence[str] = (), quick: bool = False) -> list[str]:
     """The overrides every training run of lab `name` starts from; the user's come last and win."""
     base = LABS[name][2]
+    if name in REAL_MODEL_LABS:
+        return [*base, *(REAL_MODEL_LABS[name] if quick else []), *overrides]
     quick_settings = (QUICK_GUESS if "env.name=guess" in base else QUICK) if quick else []
     from keelrl.config import TINY_RUN
 
