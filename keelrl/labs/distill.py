@@ -5,8 +5,9 @@ strictly solved), with the same seed, tasks and number of student rollouts per s
 
 - grpo: plain GRPO on the strict reward (a group that all fails has no advantage to follow);
 - on-policy: GRPO plus on-policy distillation from a stronger checkpoint (`distill.mode=on_policy`,
-  the sampled reverse KL to the teacher as a dense per-token advantage term);
-- self (OPSD): the same term with the student itself as teacher, shown the task's reference fix.
+  `distill.form=loss`: the reverse KL to the teacher's next-token distribution at every token
+  the student sampled);
+- self (OPSD): the same loss with the student itself as teacher, shown the task's reference fix.
 
 The teacher is `distill.teacher=PATH` when given (e.g. the default run's
 `checkpoints/step-N/model`), else the lab makes one first: the student warm-started on the
@@ -22,8 +23,8 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from keelrl.labs.common import (USER_OVERRIDES, LabResult, config, last, markdown_table, mean, plot_variants, series,
-                                steps_run)
+from keelrl.labs.common import (USER_OVERRIDES, LabResult, config, first, last, markdown_table, mean, plot_variants,
+                                series, steps_run)
 
 DISTILL = ["model.path=smollm2", "rollout.engine=sync", "rollout.tasks_per_step=4", "rollout.group_size=4",
            "train.steps=4", "train.eval_every=2", "train.eval_tasks=40", "train.checkpoint_every=1000",
@@ -60,23 +61,28 @@ def lab_distill(out: Path, overrides: Sequence[str], quick: bool, progress: Call
     from keelrl.monitor import read_metrics
     from keelrl.train.trainer import Trainer
 
+    def without_teacher(settings: Sequence[str]) -> list[str]:  # the teacher is the on-policy variant's alone
+        return [setting for setting in settings if not setting.startswith("distill.teacher=")]
+
     given = [o.split("=", 1)[1] for o in [*overrides, *USER_OVERRIDES.get()] if o.startswith("distill.teacher=")]
-    teacher = Path(given[-1]) if given else make_teacher(out, overrides, quick, progress)
+    teacher = Path(given[-1]) if given else make_teacher(out, without_teacher(overrides), quick, progress)
     variants = {"grpo": ["distill.mode=none"],
-                "on-policy": ["distill.mode=on_policy", f"distill.teacher={teacher}"],
-                "self": ["distill.mode=self"]}
+                "on-policy": ["distill.mode=on_policy", "distill.form=loss", "distill.divergence=reverse_kl",
+                              f"distill.teacher={teacher}"],
+                "self": ["distill.mode=self", "distill.form=loss", "distill.divergence=reverse_kl"]}
     runs: dict[str, list[dict[str, Any]]] = {}
     lifts: dict[str, dict[str, Any]] = {}
     for label, extra in variants.items():
         progress(f"training variant {label!r}")
-        trainer = Trainer(config(out / label, [*overrides, *extra, *USER_OVERRIDES.get()]))
+        settings = [*without_teacher(overrides), *extra, *without_teacher(USER_OVERRIDES.get())]
+        trainer = Trainer(config(out / label, settings))
         summary = trainer.run()
         runs[label] = read_metrics(out / label)
         lifts[label] = summary.get("rl_lift", {})  # final - before RL, paired over the same tasks
     steps = steps_run(runs)
     chart = plot_variants(out / "distill.png", runs,
-                          [("eval/success", "held-out strict success"), ("train/reward", "training reward"),
-                           ("distill/sampled_kl", "sampled KL to the teacher, per token")],
+                          [("eval/success", "held-out strict success"), ("train/action_error_frac", "malformed actions"),
+                           ("distill/kl", "reverse KL to the teacher, per token")],
                           "Learning from a teacher: GRPO vs on-policy distillation vs self-distillation")
     numbers: dict[str, Any] = {"teacher": str(teacher), "steps": steps}
     rows = []
@@ -86,9 +92,12 @@ def lab_distill(out: Path, overrides: Sequence[str], quick: bool, progress: Call
         curve = series(rows_of, "eval/success")
         numbers[label] = {"eval_curve": curve, "change": change, "change_se": se,
                           "reward_mean": mean([v for _, v in series(rows_of, "train/reward")]),
-                          "sampled_kl_last": last(rows_of, "distill/sampled_kl")}
+                          "action_error_frac_last": last(rows_of, "train/action_error_frac"),
+                          "kl_first": first(rows_of, "distill/kl"), "kl_last": last(rows_of, "distill/kl")}
         rows.append((label, curve[0][1] if curve else math.nan, curve[-1][1] if curve else math.nan,
-                     f"{change:+.3f} +- {se:.3f}", numbers[label]["reward_mean"], numbers[label]["sampled_kl_last"]))
+                     f"{change:+.3f} +- {se:.3f}", numbers[label]["reward_mean"],
+                     numbers[label]["action_error_frac_last"],
+                     f"{numbers[label]['kl_first']:.3g} -> {numbers[label]['kl_last']:.3g}"))
     helped = [label for label in ("on-policy", "self")
               if numbers[label]["change"] - numbers["grpo"]["change"] > 2 * max(numbers[label]["change_se"],
                                                                                 numbers["grpo"]["change_se"], 1e-9)]
@@ -101,6 +110,6 @@ def lab_distill(out: Path, overrides: Sequence[str], quick: bool, progress: Call
         f"from `{teacher}`, and with self-distillation (the student shown the reference fix). Held-out strict "
         "success on the same tasks before RL and during it.", "",
         markdown_table(["variant", "held-out before", "held-out after", "change (paired SE)", "training reward (mean)",
-                        "sampled KL to teacher (last)"], rows), "",
+                        "malformed actions (last step)", "KL to teacher per token (first -> last step)"], rows), "",
         verdict, "", f"Chart: {chart.name}"])
     return LabResult("distill", numbers, summary_md, [chart])
