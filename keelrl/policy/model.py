@@ -229,19 +229,24 @@ def _result(logp: Tensor, entropy: Tensor | None, hidden: Tensor | None) -> dict
     return result
 
 
+def output_logits(head: nn.Module, hidden: Tensor, temperature: float = 1.0) -> Tensor:
+    """The output head's logits of hidden [..., H] -> [..., V], float32 at least, over temperature.
+
+    The head runs in the weights' own precision even under a learner's bf16 autocast: bf16
+    logits (8 mantissa bits, values around +-20) would put ~0.05 of noise on every log-prob.
+    """
+    with torch.autocast(device_type=hidden.device.type, enabled=False):
+        weight_dtype = next(head.parameters()).dtype
+        logits = head(hidden.to(weight_dtype))
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return logits / temperature if temperature != 1.0 else logits
+
+
 def _head_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor,
                    with_entropy: bool, temperature: float = 1.0) -> tuple[Tensor, Tensor | None]:
     """hidden [B, c, H], targets [B, c] -> (log-prob of each target [B, c], entropy [B, c] or None),
     under softmax(logits / temperature)."""
-    # The head runs in the weights' own precision even under a learner's bf16 autocast: bf16
-    # logits (8 mantissa bits, values around +-20) would put ~0.05 of noise on every log-prob.
-    with torch.autocast(device_type=hidden.device.type, enabled=False):
-        weight_dtype = next(head.parameters()).dtype
-        logits = head(hidden.to(weight_dtype))
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # [B, c, V]
-    if temperature != 1.0:
-        logits = logits / temperature
-    log_probs = torch.log_softmax(logits, dim=-1)
+    log_probs = torch.log_softmax(output_logits(head, hidden, temperature), dim=-1)  # [B, c, V]
     chunk_logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [B, c]
     chunk_entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None  # [B, c]
     return chunk_logp, chunk_entropy

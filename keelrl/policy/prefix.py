@@ -58,10 +58,9 @@ def find_prefix_units(input_ids: Tensor, attention_mask: Tensor, keys: Sequence[
     where a log-prob is wanted; position 0 is never scored). A key whose rows share fewer than
     MIN_SHARED tokens is split into one unit per row. Runs on the CPU, once per batch.
     """
-    ids, attended = input_ids.detach().cpu(), attention_mask.detach().cpu().bool()
+    ids = input_ids.detach().cpu()
     batch, width = ids.shape
-    steps = torch.arange(1, width + 1)
-    lengths = torch.where(attended, steps, 0).amax(dim=1).clamp(min=1).tolist()
+    lengths = row_lengths(attention_mask.detach().cpu()).tolist()
     if positions is None:
         first_scored = [1] * batch
     else:
@@ -157,6 +156,11 @@ def cache_kwarg(body: Any) -> str:
     return "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
 
 
+def returned_cache(output: Any) -> Any:
+    """The KV cache a model body returned (`cache` in recent transformers, `past_key_values` before)."""
+    return output["cache"] if "cache" in output else output["past_key_values"]
+
+
 def prefix_token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor, units: Sequence[PrefixUnit], *,
                           with_entropy: bool = False, with_hidden: bool = False,
                           positions: Tensor | None = None, temperature: float = 1.0) -> dict[str, Tensor]:
@@ -176,7 +180,7 @@ def prefix_token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor,
         raise ValueError(f"units cover rows {covered}; a batch of {batch} needs each row exactly once")
     if any(unit.shared < MIN_SHARED for unit in units):
         raise ValueError(f"every unit must share at least {MIN_SHARED} tokens (see can_share)")
-    lengths = torch.where(attention_mask.bool(), torch.arange(1, width + 1, device=device), 0).amax(dim=1)
+    lengths = row_lengths(attention_mask)
     body = model.model
 
     # Prefix pass: each unit's first cut tokens, right-padded into [U, P].
@@ -187,7 +191,7 @@ def prefix_token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor,
     prefix_mask = (span.unsqueeze(0) < cuts.unsqueeze(1)).long()  # [U, P]
     prefix_ids = input_ids[first_rows, :longest_cut].masked_fill(prefix_mask == 0, 0)
     prefix = body(input_ids=prefix_ids, attention_mask=prefix_mask, use_cache=True)
-    cache = prefix["cache"] if "cache" in prefix else prefix["past_key_values"]  # transformers >= 5 renamed it
+    cache = returned_cache(prefix)
 
     # Continuation pass: row r from its unit's cut to its end, right-padded into [B, C].
     unit_of = torch.empty(batch, dtype=torch.long, device=device)

@@ -150,7 +150,7 @@ def _shared_prefill(model: Any, input_ids: Tensor, attention: Tensor, contexts: 
     prefill uses the positions `generate` gives them (from the attention mask), and `generate`
     then runs only the last context token of each row before decoding.
     """
-    from keelrl.policy.prefix import cache_kwarg
+    from keelrl.policy.prefix import cache_kwarg, returned_cache
 
     first: dict[tuple[int, ...], int] = {}
     owner = [first.setdefault(tuple(context), row) for row, context in enumerate(contexts)]
@@ -161,7 +161,7 @@ def _shared_prefill(model: Any, input_ids: Tensor, attention: Tensor, contexts: 
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     out = model.model(input_ids=input_ids[distinct, :-1], attention_mask=attention[distinct, :-1],
                       position_ids=positions[distinct, :-1], use_cache=True)
-    cache = out["cache"] if "cache" in out else out["past_key_values"]
+    cache = returned_cache(out)
     cache.batch_select_indices(torch.tensor([slot[row] for row in owner], device=input_ids.device))
     return {cache_kwarg(model.model): cache}
 

@@ -27,10 +27,10 @@ import torch
 from torch import Tensor
 
 from keelrl.config import DistillConfig
-from keelrl.policy.model import chunked_token_logprobs, load_policy
+from keelrl.policy.model import chunked_token_logprobs, load_policy, output_logits
 from keelrl.policy.prefix import can_share, find_prefix_units, prefix_token_logprobs
 from keelrl.rollout.scheduler import prompt_tokens
-from keelrl.rollout.trajectory import Batch, Trajectory
+from keelrl.rollout.trajectory import Batch, Trajectory, collate
 
 
 class VocabularyMismatchError(ValueError):
@@ -109,18 +109,13 @@ class Teacher:
                 raise KeyError(f"self-distillation: task {trajectory.task_id!r} is not a training task")
             prompt = prompt_tokens(self.tokenizer, privileged_hint(task) + trajectory.prompt)
             tail = slice(trajectory.prompt_length, len(trajectory.token_ids))
-            rows.append((prompt + trajectory.token_ids[tail], [False] * len(prompt) + trajectory.action_mask[tail]))
+            tokens = prompt + trajectory.token_ids[tail]
+            rows.append(Trajectory(trajectory.task_id, trajectory.group_id, token_ids=tokens,
+                                   action_mask=[False] * len(prompt) + trajectory.action_mask[tail],
+                                   behaviour_logprobs=[0.0] * len(tokens), turn_ids=[0] * len(tokens),
+                                   prompt_length=len(prompt), reward=trajectory.reward))
             shifts.append(len(prompt) - trajectory.prompt_length)
-        width = max(len(ids) for ids, _ in rows)
-        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-        attention = torch.zeros((len(rows), width), dtype=torch.long)
-        action = torch.zeros((len(rows), width), dtype=torch.bool)
-        for row, (tokens, mask) in enumerate(rows):
-            ids[row, :len(tokens)] = torch.tensor(tokens)
-            attention[row, :len(tokens)] = 1
-            action[row, :len(tokens)] = torch.tensor(mask)
-        zeros = torch.zeros_like(ids)
-        teacher_batch = Batch(ids, attention, action, zeros.float(), zeros, batch.rewards.cpu(), batch.group_ids.cpu())
+        teacher_batch = collate(rows, pad_id)
         return TeacherView(teacher_batch.to(device), torch.tensor(shifts, dtype=torch.long, device=device))
 
     @torch.no_grad()
@@ -152,11 +147,7 @@ def head_logits(model: Any, hidden: Tensor, action_mask: Tensor, temperature: fl
     """Next-token logits predicting each action token: hidden [b, t, H] at the position before
     each True of action_mask [b, t] -> [n, V], row-major, in float32 at least, over temperature."""
     rows, steps = action_mask[:, 1:].nonzero(as_tuple=True)
-    head = model.get_output_embeddings()
-    with torch.autocast(device_type=hidden.device.type, enabled=False):
-        weight_dtype = next(head.parameters()).dtype
-        logits = head(hidden[rows, steps].to(weight_dtype))
-    return logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    return output_logits(model.get_output_embeddings(), hidden[rows, steps], temperature)
 
 
 def to_student_layout(values: Tensor, shift: Tensor, student_mask: Tensor) -> Tensor:
