@@ -233,7 +233,7 @@ def test_the_self_teacher_reads_the_reference_fix_and_scores_the_students_tokens
                               temperature=cfg.rollout.temperature)["logp"][0]
         shift = len(privileged) - trajectory.prompt_length
         for position, is_action in enumerate(trajectory.action_mask):
-            want = float(logp[position + shift]) if is_action else 0.0
+            want = float(logp[position + shift].detach()) if is_action else 0.0
             assert float(got[row, position]) == pytest.approx(want, abs=1e-5)
 
 

@@ -53,6 +53,9 @@ class StepRollouts:
 
     trajectories: list[Trajectory]
     metrics: dict[str, float] = field(default_factory=dict)
+    sampled_by_teacher: bool = False
+    """The trajectories are a distillation teacher's samples, not the policy's (see
+    `Trainer.teacher_rollouts`): the learner distils on them and does not reinforce them."""
 
 
 def staleness_metrics(step: int, trajectories: Sequence[Trajectory], max_staleness: int) -> dict[str, float]:

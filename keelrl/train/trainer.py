@@ -587,14 +587,13 @@ class Trainer:
         trajectories = run_episodes(self._env(training=True), tasks, self.tokenizer,
                                     model_actor(self.teacher.model, self.tokenizer, sampling),
                                     self._rollout_cfg(1), group_ids=groups, seed=requests[0].seed if requests else 0)
-        return StepRollouts(trajectories, {"distill/teacher_histories": 1.0})
+        return StepRollouts(trajectories, {"distill/teacher_histories": 1.0}, sampled_by_teacher=True)
 
-    def rl_step(self, step: int, rollouts: StepRollouts, started: float | None = None,
-                teacher_histories: bool = False) -> dict[str, Any]:
+    def rl_step(self, step: int, rollouts: StepRollouts, started: float | None = None) -> dict[str, Any]:
         """One update from `rollouts` (the engine's batch for `step`); returns the step's metrics row.
 
-        `teacher_histories`: the trajectories are the teacher's (`teacher_rollouts`): no RL term
-        (advantages 0, old log-probs the student's own), the distillation loss alone."""
+        Rollouts `sampled_by_teacher` (`teacher_rollouts`) get no RL term (advantages 0, old
+        log-probs the student's own): the distillation loss alone."""
         started = time.monotonic() if started is None else started
         # A group with an episode whose environment failed (ungraded, reward NaN) has no baseline:
         # it is left out whole, and counted.
@@ -610,7 +609,7 @@ class Trainer:
         batch = collate(trajectories, self.pad_id).to(self.device)
         self._teacher_view = None if self.teacher is None else self.teacher.view(batch, trajectories, self.pad_id)
         advantages, returns, old_values, ref_all, prox_all, stats = self._advantages(batch)
-        if teacher_histories:  # another policy's samples: distil on them, do not reinforce them
+        if rollouts.sampled_by_teacher:  # another policy's samples: distil on them, do not reinforce them
             advantages = torch.zeros_like(advantages)
             batch.behaviour_logprobs = prox_all.to(batch.behaviour_logprobs.dtype).masked_fill(~batch.action_mask, 0.0)
             stats.pop("distill/sampled_kl", None)  # a KL under the teacher's samples, not the student's
@@ -908,7 +907,7 @@ class Trainer:
                         rollouts = self.teacher_rollouts(step)
                     elif self.cfg.algo.dynamic_sampling:
                         rollouts = self.dynamic_fill(engine, step, rollouts)
-                row = self.rl_step(step, rollouts, started, teacher_histories=teacher_step)
+                row = self.rl_step(step, rollouts, started)
                 self.publish(engine, step)
                 if step % self.cfg.train.eval_every == 0 or step == total:
                     row.update(self.evaluate())
