@@ -321,6 +321,37 @@ class CurriculumSettings:
         return table
 
 
+@dataclasses.dataclass
+class PRMConfig:
+    """A process reward model (keelrl/train/prm.py): a step scorer on the policy body trained on
+    whether each turn raised the hidden-check pass count, used as a per-turn surrogate value."""
+
+    enabled: bool = False
+    """Label each turn that can change the code by hidden-check progress (one extra grading per
+    such turn, and one per task before its first turn), and train the scorer every step."""
+    weight: float = 0.0
+    """Surrogate value: add weight x (turn score - its group's mean turn score) to each labelled
+    turn's advantage; 0 trains and measures the scorer without using it."""
+    lr: float = 0.01
+    """Learning rate of the scorer's own optimizer (AdamW)."""
+    fit_steps: int = 20
+    """Optimizer steps on the buffer each RL step."""
+    buffer: int = 512
+    """Most recent labelled turns the scorer is fitted on."""
+
+    def __post_init__(self) -> None:
+        if not (self.weight >= 0 and math.isfinite(self.weight)):
+            raise ConfigError("weight", f"must be a finite number >= 0, got {self.weight!r}")
+        if self.weight > 0 and not self.enabled:
+            raise ConfigError("weight", "prm.weight needs prm.enabled=true (the scorer and its labels)")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ConfigError("lr", f"must be a finite number > 0, got {self.lr!r}")
+        if self.fit_steps < 1:
+            raise ConfigError("fit_steps", f"must be >= 1, got {self.fit_steps!r}")
+        if self.buffer < 1:
+            raise ConfigError("buffer", f"must be >= 1, got {self.buffer!r}")
+
+
 DISTILL_MODES = ("none", "on_policy", "self")
 DISTILL_FORMS = ("advantage", "loss")
 DISTILL_DIVERGENCES = ("reverse_kl", "forward_kl", "jsd")
@@ -448,6 +479,8 @@ class KeelConfig:
     """Learning from a teacher during RL (distillation, observation loss)."""
     curriculum: CurriculumSettings = dataclasses.field(default_factory=CurriculumSettings)
     """Which training tasks each RL step draws (a success-rate curriculum, or uniform)."""
+    prm: PRMConfig = dataclasses.field(default_factory=PRMConfig)
+    """A process reward model trained on hidden-check progress per turn."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not _DEVICE_PATTERN.match(self.device):

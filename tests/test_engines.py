@@ -212,19 +212,29 @@ def test_behaviour_logprobs_equal_a_recompute_under_the_weights_that_sampled_the
         engine.publish(states[step], step)
     engine.close()
     checked_versions = set()
+    wrong_gaps = []
     for t in trajectories:
         ids = torch.tensor([t.token_ids])
         turn_ids = torch.tensor(t.turn_ids)
         action = torch.tensor(t.action_mask)
-        for version in set(t.versions):
+
+        def recompute(version):
             model.load_state_dict(states[version])
             with torch.no_grad():  # the sampled distribution: temperature 1, nothing suppressed
                 logits = model(input_ids=ids).logits[0, :-1].float()
-                logp = torch.cat([torch.zeros(1), torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]])
+                return torch.cat([torch.zeros(1), torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]])
+
+        for version in set(t.versions):
             turns = [turn for turn, v in enumerate(t.versions) if v == version]
             where = action & torch.isin(turn_ids, torch.tensor(turns))
-            torch.testing.assert_close(torch.tensor(t.behaviour_logprobs)[where], logp[where], rtol=1e-4, atol=1e-4)
+            # The sampler's KV-cache pass and this full pass add in different orders in float32:
+            # up to 3e-4 apart on some CPUs (AVX2 kernels) at these large weights. A wrong
+            # version is orders of magnitude further off (checked below).
+            behaviour = torch.tensor(t.behaviour_logprobs)[where]
+            torch.testing.assert_close(behaviour, recompute(version)[where], rtol=0, atol=2e-3)
+            wrong_gaps.append(float((behaviour - recompute((version + 1) % len(states))[where]).abs().max()))
             checked_versions.add(version)
+    assert min(wrong_gaps) > 2e-2  # the tolerance above still tells every version from its neighbour
     # Step 4's requests cannot start before version 2 (max_staleness 1), step 1's ran under 0.
     assert 0 in checked_versions and max(checked_versions) >= 2
 

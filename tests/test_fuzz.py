@@ -493,7 +493,7 @@ def test_fuzz_an_unknown_key_is_an_error_naming_it_and_the_nearest_valid_key(exa
 
 @pytest.mark.parametrize("override, key, nearest", [
     ("train.lr_rate=1e-4", "train.lr_rate", "'train.lr'"),
-    ("lr=1e-4", "lr", "'train.lr' or 'warm_start.lr'"),
+    ("lr=1e-4", "lr", "'train.lr' or 'warm_start.lr' or 'prm.lr'"),
     ("train.eps_high=0.3", "train.eps_high", "'algo.eps_high'"),
     ("trian.lr=1e-4", "trian", "'train'"),
     ("env.max_turn=3", "env.max_turn", "'env.max_turns'"),

@@ -87,6 +87,9 @@ class RolloutConfig:
     """Threads running environment work (resets, tool calls, gradings)."""
     interruptible: bool = True
     """Load new weights between any two turns (False: only when no episode is in flight)."""
+    label_steps: bool = False
+    """Process labels: grade the hidden checks after every turn that can change the code, and
+    label each such turn 1 when it raised the pass count, 0 when not (`Trajectory.step_labels`)."""
 
 
 def prompt_tokens(tokenizer: Any, first_observation: str) -> list[int]:
@@ -125,6 +128,10 @@ class Episode:
     """Token ids of the latest action (its observation is laid out after it)."""
     started: float = 0.0
     seconds: dict[str, float] = field(default_factory=lambda: {"generate": 0.0, "env": 0.0, "grade": 0.0})
+    passes: list[int] = field(default_factory=list)
+    """With label_steps: the hidden checks passed before the first turn, then after each turn."""
+    acting: list[bool] = field(default_factory=list)
+    """With label_steps: whether each turn could change the code (it gets a label)."""
 
     @property
     def task(self) -> Any:
@@ -202,6 +209,8 @@ class EpisodeScheduler:
         self._groups: dict[int, list[Episode]] = {}
         self._done: dict[int, list[Episode]] = {}
         self._episodes_admitted = 0
+        self._base_passes: dict[str, int] = {}
+        """label_steps: each task's pass count before any turn (the same for every attempt)."""
         self.stats = SchedulerStats()
 
     # ------------------------------------------------------------------ intake
@@ -262,7 +271,9 @@ class EpisodeScheduler:
                                   reserved=self.cfg.max_new_tokens)
                 self._episodes_admitted += 1
                 self._groups[request.index].append(episode)
-                self._futures[self.pool.submit(self._timed, _reset, episode.env, request.task)] = ("reset", episode)
+                reset = _reset_counted if self.cfg.label_steps else _reset
+                self._futures[self.pool.submit(self._timed, reset, episode.env, request.task,
+                                               self._base_passes)] = ("reset", episode)
 
     @staticmethod
     def _timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
@@ -291,6 +302,9 @@ class EpisodeScheduler:
             trajectory = episode.trajectory
             if kind == "reset":
                 episode.seconds["env"] += seconds
+                if self.cfg.label_steps:
+                    value, base = value
+                    episode.passes.append(base)
                 trajectory.extend(prompt_tokens(self.tokenizer, value), action=False, turn=0)
                 trajectory.prompt_length, trajectory.prompt = len(trajectory.token_ids), value
                 if trajectory.prompt_length + self.cfg.max_new_tokens > self.cfg.max_context_tokens:
@@ -308,8 +322,12 @@ class EpisodeScheduler:
                     results.append(result)
         return results
 
-    def _after_step(self, episode: Episode, observation: str, done: bool, info: dict[str, Any]) -> None:
+    def _after_step(self, episode: Episode, observation: str, done: bool, info: dict[str, Any],
+                    passes: int | None = None) -> None:
         trajectory = episode.trajectory
+        if self.cfg.label_steps:  # a turn that was not graded left the pass count where it was
+            episode.passes.append(episode.passes[-1] if passes is None else passes)
+            episode.acting.append(info.get("tool") not in getattr(episode.env, "read_only_tools", ()))
         trajectory.observations.append(observation)
         if info.get("error"):
             trajectory.action_errors += 1
@@ -334,6 +352,10 @@ class EpisodeScheduler:
         trajectory = episode.trajectory
         trajectory.reward, trajectory.success, trajectory.partial = grade.reward, grade.success, grade.partial
         trajectory.checks = [{"name": c.name, "passed": c.passed, "detail": c.detail} for c in grade.checks]
+        if self.cfg.label_steps and episode.acting:
+            episode.passes[-1] = passed_checks(grade)  # the final grade is the state after the last turn
+            trajectory.step_passes = list(episode.passes)
+            trajectory.step_labels = step_labels(episode.passes, episode.acting)
         return self._finish(episode)
 
     def _env_failed(self, episode: Episode, kind: str, error: Exception) -> GroupResult | None:
@@ -380,7 +402,8 @@ class EpisodeScheduler:
             trajectory.versions.append(self.version)
             counts = self.stats.tokens_by_version
             counts[self.version] = counts.get(self.version, 0) + len(tokens)
-            self._futures[self.pool.submit(self._timed, _step, episode.env, text)] = ("step", episode)
+            step = _step_counted if self.cfg.label_steps else _step
+            self._futures[self.pool.submit(self._timed, step, episode.env, text)] = ("step", episode)
 
     def run_once(self, timeout: float = 0.05) -> list[GroupResult]:
         """One scheduling round (see the module docstring); waits up to `timeout` s when nothing is ready."""
@@ -413,12 +436,44 @@ class EpisodeScheduler:
         return [results[r.index] for r in requests]
 
 
-def _reset(env: Any, task: Any) -> str:
+def passed_checks(grade: Any) -> int:
+    """How many of a grading's checks passed."""
+    return sum(bool(check.passed) for check in grade.checks)
+
+
+def step_labels(passes: Sequence[int], acting: Sequence[bool]) -> list[int]:
+    """Process labels from pass counts: passes[0] before the first turn, passes[t + 1] after
+    turn t. A turn that could change the code (`acting[t]`) is labelled 1 when it raised the
+    count and 0 when not; the others (reads, test runs) -1, no label."""
+    if len(passes) != len(acting) + 1:
+        raise ValueError(f"need one pass count before the turns and one after each: "
+                         f"{len(passes)} counts for {len(acting)} turns")
+    return [int(after > before) if act else -1 for before, after, act in zip(passes, passes[1:], acting)]
+
+
+def _reset(env: Any, task: Any, base_passes: dict[str, int] | None = None) -> str:
     """env.reset(task), checked against the protocol (a wrong return type is the env's failure)."""
     prompt = env.reset(task)
     if not isinstance(prompt, str):
         raise TypeError(f"reset must return the first observation as a str, got {type(prompt).__name__}")
     return prompt
+
+
+def _reset_counted(env: Any, task: Any, base_passes: dict[str, int]) -> tuple[str, int]:
+    """`_reset`, and the hidden checks the untouched task passes (graded once per task id)."""
+    prompt = _reset(env, task)
+    key = str(getattr(task, "id", task))
+    if key not in base_passes:
+        base_passes[key] = passed_checks(env.grade())
+    return prompt, base_passes[key]
+
+
+def _step_counted(env: Any, action: str) -> tuple[str, bool, dict[str, Any], int | None]:
+    """`_step`, and the hidden checks passed after it when the turn could have changed the
+    code and the episode goes on (the final grade counts the last turn); otherwise None."""
+    observation, done, info = _step(env, action)
+    acted = not info.get("error") and info.get("tool") not in getattr(env, "read_only_tools", ())
+    return observation, done, info, passed_checks(env.grade()) if acted and not done else None
 
 
 def _step(env: Any, action: str) -> tuple[str, bool, dict[str, Any]]:

@@ -45,6 +45,11 @@ class Trajectory:
     """termination 'env_error': what the environment raised (or returned instead of its protocol's
     values) in reset or step, with where. Such an episode has no grade, so reward and partial are
     NaN, never a made-up 0: a consumer that does not set it aside fails loudly."""
+    step_labels: list[int] = field(default_factory=list)
+    """Process labels, one per turn (rollout label_steps): 1 the turn raised the hidden-check pass
+    count, 0 it did not, -1 no label (a turn that cannot change the code: read, test, submit)."""
+    step_passes: list[int] = field(default_factory=list)
+    """The hidden checks passed before the first turn, then after each turn (the labels' evidence)."""
     action_errors: int = 0
     """Turns whose action the environment rejected (malformed call, bad argument: info["error"])."""
     seconds: dict[str, float] = field(default_factory=dict)
@@ -91,6 +96,8 @@ class Batch:
     group_ids: Tensor  # [B]
     observation_mask: Tensor | None = None
     """[B, T] bool: the environment's tokens after the prompt (tool outputs, observations)."""
+    step_labels: Tensor | None = None
+    """[B, T] long: each labelled turn's process label (0 or 1) at its last action token, -1 elsewhere."""
 
     def to(self, device: torch.device) -> "Batch":
         return Batch(**{name: None if value is None else value.to(device)  # type: ignore[arg-type]
@@ -107,7 +114,10 @@ def collate(trajectories: Sequence[Trajectory], pad_id: int) -> Batch:
     behaviour = torch.zeros((batch, width), dtype=torch.float32)
     turns = torch.zeros((batch, width), dtype=torch.long)
     observation = torch.zeros((batch, width), dtype=torch.bool)
+    labels = torch.full((batch, width), -1, dtype=torch.long)
     for row, trajectory in enumerate(trajectories):
+        for position, label in step_positions(trajectory):
+            labels[row, position] = label
         n = len(trajectory.token_ids)
         input_ids[row, :n] = torch.tensor(trajectory.token_ids)
         attention[row, :n] = 1
@@ -117,4 +127,14 @@ def collate(trajectories: Sequence[Trajectory], pad_id: int) -> Batch:
         turns[row, :n] = torch.tensor(trajectory.turn_ids)
     rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
     groups = torch.tensor([t.group_id for t in trajectories], dtype=torch.long)
-    return Batch(input_ids, attention, action, behaviour, turns, rewards, groups, observation)
+    return Batch(input_ids, attention, action, behaviour, turns, rewards, groups, observation, labels)
+
+
+def step_positions(trajectory: Trajectory) -> list[tuple[int, int]]:
+    """(position of the turn's last action token, label) for each labelled turn of `trajectory`."""
+    last: dict[int, int] = {}
+    for position, (acting, turn) in enumerate(zip(trajectory.action_mask, trajectory.turn_ids)):
+        if acting:
+            last[turn] = position
+    return [(last[turn], label) for turn, label in enumerate(trajectory.step_labels)
+            if label >= 0 and turn in last]

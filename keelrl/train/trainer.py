@@ -73,6 +73,7 @@ from keelrl.sandbox import Sandbox, default_hidden_paths
 from keelrl.train.checkpoint import (CheckpointError, atomic_write_text, forget_checkpoints, fsync_tree,
                                      latest_checkpoint, save_checkpoint)
 from keelrl.train.dynamic import fill_batch
+from keelrl.train.prm import ProcessRewardModel, classification_metrics, labelled_turns, process_advantages
 from keelrl.train.evaluation import finite_or_none, heldout_report, paired_difference
 from keelrl.verifiers import DEFAULT_LIMITS, make_verifier
 
@@ -277,6 +278,10 @@ class Trainer:
                                    device=self.device, tasks=self.train_tasks, temperature=cfg.rollout.temperature,
                                    max_tokens=cfg.train.micro_batch_tokens)
         self._teacher_view: TeacherView | None = None
+        self.prm: ProcessRewardModel | None = None
+        if cfg.prm.enabled:
+            self.prm = ProcessRewardModel(self.model.config.hidden_size, self.device, lr=cfg.prm.lr,
+                                          fit_steps=cfg.prm.fit_steps, buffer=cfg.prm.buffer)
         self.curriculum: Curriculum | None = None
         self._curriculum_lock = threading.Lock()
         if cfg.curriculum.enabled:
@@ -376,7 +381,8 @@ class Trainer:
         r = self.cfg.rollout
         return RolloutConfig(group_size=group_size, max_turns=self.cfg.env.max_turns,
                              max_context_tokens=r.max_context_tokens, max_new_tokens=r.max_new_tokens,
-                             env_threads=r.env_threads, interruptible=r.interruptible)
+                             env_threads=r.env_threads, interruptible=r.interruptible,
+                             label_steps=self.prm is not None)
 
     def requests_for(self, step: int) -> list[GroupRequest]:
         """The group requests of RL step `step`: a function of (seed, step) only, or with a
@@ -516,7 +522,21 @@ class Trainer:
                 "eval/partial": report["partial"], "eval/partial_se": report["partial_se"],
                 "eval/action_error_frac": action_error_frac(trajectories),
                 "eval/context_limit_frac": context_limit_frac(trajectories),
-                "eval/tasks": len(trajectories)}
+                "eval/tasks": len(trajectories), **self._heldout_prm(trajectories)}
+
+    @torch.no_grad()
+    def _heldout_prm(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+        """The process reward model's accuracy on the held-out episodes' labelled turns."""
+        graded = [t for t in trajectories if t.termination != "env_error" and t.step_labels]
+        if self.prm is None or not graded:
+            return {}
+        batch = collate(graded, self.pad_id).to(self.device)
+        where, labels = labelled_turns(batch)
+        with self.autocast():
+            features = chunked_token_logprobs(self.model, batch.input_ids, batch.attention_mask,
+                                              max_tokens=self.cfg.train.micro_batch_tokens, positions=where,
+                                              hidden_at=where)["hidden_at"]
+        return classification_metrics(self.prm.scores(features), labels, "eval/prm_")
 
     # ----------------------------------------------------------------- RL
     @torch.no_grad()
@@ -532,10 +552,12 @@ class Trainer:
         mask = batch.action_mask
         budget = self.cfg.train.micro_batch_tokens
         keys = prefix_keys(self.cfg.train, batch)
+        steps, step_labels = labelled_turns(batch)
         with self.autocast():  # the same precision as the update's passes: fresh ratios stay 1
             prox_out = chunked_token_logprobs(self.model, batch.input_ids, batch.attention_mask, max_tokens=budget,
                                               value_fn=self.value_head, positions=mask,
-                                              temperature=self.cfg.rollout.temperature, keys=keys)
+                                              temperature=self.cfg.rollout.temperature, keys=keys,
+                                              hidden_at=steps if self.prm is not None else None)
         prox_logp = prox_out["logp"]
         log_w = (prox_logp - batch.behaviour_logprobs).masked_fill(~mask, 0.0).clamp(-algo.max_log_ratio,
                                                                                      algo.max_log_ratio)
@@ -554,6 +576,15 @@ class Trainer:
         out = compute_advantages(token_rewards=token_rewards, mask=mask, group_ids=batch.group_ids, cfg=algo,
                                  values=values, turn_ids=batch.turn_ids)
         advantages = out.advantages
+        prm_stats: dict[str, float] = {}
+        if self.prm is not None:
+            features = prox_out["hidden_at"]
+            scores = self.prm.scores(features)  # before this batch is fitted: an out-of-sample accuracy
+            prm_stats = classification_metrics(scores, step_labels, "prm/")
+            if self.cfg.prm.weight > 0:
+                advantages = advantages + process_advantages(scores, steps, batch,
+                                                             self.cfg.prm.weight).to(advantages.dtype)
+            prm_stats.update(self.prm.fit(features, step_labels))
         distill_stats: dict[str, float] = {}
         if self.teacher is not None and self._teacher_view is not None:
             teacher_logp = self.teacher.logprobs(self._teacher_view, mask, keys)
@@ -566,7 +597,8 @@ class Trainer:
         mixed = (spread.nan_to_num(-1e9).amax(1) != spread.nan_to_num(1e9).amin(1)).float()
         stats = {"train/zero_advantage_frac": 1.0 - mixed.mean().item(),
                  "rollout/arrival_is_weight_mean": (arrival * mask).sum().item() / max(1, int(mask.sum())),
-                 "rollout/arrival_is_weight_max": arrival.masked_fill(~mask, 0.0).max().item(), **distill_stats}
+                 "rollout/arrival_is_weight_max": arrival.masked_fill(~mask, 0.0).max().item(),
+                 **distill_stats, **prm_stats}
         return advantages, out.returns, values, ref_logp, prox_logp, stats
 
     def teacher_samples(self, step: int) -> bool:
@@ -805,7 +837,8 @@ class Trainer:
                      "skipped_steps": self.skipped_steps, "summary": self.summary,
                      "torch_rng": torch.random.get_rng_state(),
                      "value_head": self.value_head.state_dict() if self.value_head is not None else None,
-                     "curriculum": self.curriculum.state_dict() if self.curriculum is not None else None}
+                     "curriculum": self.curriculum.state_dict() if self.curriculum is not None else None,
+                     "prm": self.prm.state_dict() if self.prm is not None else None}
             torch.save(state, folder / "state.pt")
 
         return save_checkpoint(self.run_dir, self.step, write)
@@ -826,6 +859,8 @@ class Trainer:
             self.value_head.load_state_dict(state["value_head"])
         if self.curriculum is not None and state.get("curriculum") is not None:
             self.curriculum.load_state_dict(state["curriculum"])
+        if self.prm is not None and state.get("prm") is not None:
+            self.prm.load_state_dict(state["prm"])
         self.optimizer = self._optimizer(self.cfg.train.lr)
         self.optimizer.load_state_dict(state["optimizer"])
         torch.random.set_rng_state(state["torch_rng"])
