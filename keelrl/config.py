@@ -209,6 +209,10 @@ class TrainConfig:
     eval_base: bool = True
     """Also evaluate the model before the warm start (summary.json's heldout_base); no effect
     without a warm start."""
+    eval_before_rl: bool = True
+    """Evaluate after the warm start, before RL (step 0; summary.json's heldout_warm_start and
+    rl_lift need it). false: for runs whose start was evaluated elsewhere, as the distill lab's
+    variants share one start."""
     eval_dtype: str = "auto"
     """Weights' dtype when evaluating: float32, bfloat16 (a copy of the current weights is cast
     for the evaluation; training and rollouts are unaffected) or auto (bf16 on a CPU with

@@ -113,6 +113,10 @@ def test_distill_lab_runs_its_three_variants_on_the_quick_budget(tmp_path):
     for variant in ("grpo", "on-policy", "self"):
         numbers = result.numbers[variant]
         assert len(numbers["eval_curve"]) == 3 and numbers["change"] == numbers["change"]  # before RL and 2 steps
+        # One evaluation of the shared start, in grpo's run; the others begin from its figure.
+        assert numbers["eval_curve"][0] == result.numbers["grpo"]["eval_curve"][0] and numbers["eval_curve"][0][0] == 0
+        own = [json.loads(line) for line in (tmp_path / variant / "metrics.jsonl").read_text().splitlines()]
+        assert any(row["step"] == 0 and "eval/success" in row for row in own) == (variant == "grpo")
     assert result.numbers["on-policy"]["kl_last"] > 0 and result.numbers["self"]["kl_last"] >= 0
     assert result.numbers["grpo"]["kl_last"] != result.numbers["grpo"]["kl_last"]  # no teacher: NaN
     summary = (tmp_path / "summary.md").read_text()

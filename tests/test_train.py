@@ -212,3 +212,44 @@ def test_an_environment_that_raises_costs_its_group_not_the_step(model_dir, tmp_
     assert all(isinstance(value, (int, float)) and value == value for key, value in row.items()
                if key.startswith(("train/reward", "policy/")))  # nothing NaN leaked into the update
     assert "disk on fire" in (tmp_path / "samples" / "step_0001.txt").read_text()
+
+
+def test_minibatches_hold_whole_groups_in_a_shuffled_group_order():
+    import random
+
+    from keelrl.train.trainer import group_order
+
+    group_ids = [7, 7, 7, 7, 3, 3, 3, 3, 9, 9, 9, 9, 1, 1, 1, 1]  # 4 groups of 4, as collated
+    orders = {tuple(group_order(group_ids, random.Random(f"0:minibatch:{step}"))) for step in range(12)}
+    assert len(orders) > 1  # the group order is shuffled from step to step
+    for order in orders:
+        assert sorted(order) == list(range(16))  # every row once
+        for start in range(0, 16, 4):  # minibatch_size = group size: each minibatch is one whole group
+            minibatch = order[start:start + 4]
+            assert len({group_ids[row] for row in minibatch}) == 1 and list(minibatch) == sorted(minibatch)
+    # Uneven groups (dynamic sampling can add any) stay contiguous too.
+    uneven = [0, 1, 1, 2, 2, 2]
+    order = group_order(uneven, random.Random(1))
+    runs = [uneven[row] for row in order]
+    assert sorted(order) == list(range(6))
+    assert [g for i, g in enumerate(runs) if i == 0 or runs[i - 1] != g] == list(dict.fromkeys(runs))  # contiguous
+
+
+def test_a_run_told_its_start_was_evaluated_elsewhere_skips_the_step_0_evaluation(model_dir, tmp_path, monkeypatch):
+    calls = []
+    original = Trainer.evaluate
+
+    def counted(self, tasks=None):
+        calls.append(self.step)
+        return original(self, tasks)
+
+    monkeypatch.setattr(Trainer, "evaluate", counted)
+    run_dir = tmp_path / "run"
+    summary = Trainer(load_config(overrides=[*TINY_RUN, *FAST, f"run_dir={run_dir}", f"model.path={model_dir}",
+                                             "train.steps=2", "warm_start.demos=0",
+                                             "train.eval_before_rl=false"])).run()
+    assert calls == [1]  # the evaluation after step 2 only (the step counter moves after it)
+    rows = metrics(run_dir)
+    assert [row["step"] for row in rows] == [1, 2] and "eval/success" in rows[1]
+    assert summary["eval_success_before_rl"] is None and "rl_lift" not in summary
+    assert summary["heldout_final"]["tasks"] == 3

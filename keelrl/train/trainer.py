@@ -209,6 +209,19 @@ def prefix_keys(train: Any, batch: Batch) -> torch.Tensor | None:
     return batch.group_ids.cpu()
 
 
+def group_order(group_ids: Sequence[int], rng: random.Random) -> list[int]:
+    """Row indices with the groups in a shuffled order and each group's rows together (in attempt
+    order): minibatches cut from it hold whole groups when train.minibatch_size is a multiple of
+    the group size, so each group's shared prompt runs once in its minibatch (as verl counts its
+    minibatches in prompts). Rows shuffled one by one would split every group across minibatches."""
+    groups: dict[int, list[int]] = {}
+    for row, group in enumerate(group_ids):
+        groups.setdefault(group, []).append(row)
+    keys = list(groups)
+    rng.shuffle(keys)
+    return [row for key in keys for row in groups[key]]
+
+
 def take_rows(batch: Batch, rows: torch.Tensor, width: int) -> Batch:
     """The rows `rows` of `batch`, with [B, T] fields cut to the first `width` positions."""
     fields: dict[str, torch.Tensor | None] = {}
@@ -653,11 +666,10 @@ class Trainer:
         self.model.train()
         sums: dict[str, float] = {}
         updates = skipped = micro_batches = 0
-        order = list(range(len(trajectories)))
         rng = random.Random(f"{self.cfg.seed}:minibatch:{step}")
         learner = (advantages, returns, old_values, ref_all, prox_all)
         for _ in range(train.epochs):
-            rng.shuffle(order)
+            order = group_order([t.group_id for t in trajectories], rng)
             for start in range(0, len(order), train.minibatch_size):
                 rows = torch.tensor(order[start:start + train.minibatch_size], device=self.device)
                 self.optimizer.zero_grad(set_to_none=True)
@@ -913,13 +925,17 @@ class Trainer:
             self.progress("phase", {"phase": "warm start"})
             warm = self.warm_start()
             self._freeze_reference()
-            self.progress("phase", {"phase": "eval (before RL)"})
-            before = self.evaluate()
-            heldout["warm_start"] = self.last_eval_report
-            self.summary = {"eval_success_before_rl": before["eval/success"], **warm, "heldout": heldout}
-            logger.log(0, {**warm, **before})
+            before: dict[str, float] = {}
+            if self.cfg.train.eval_before_rl:
+                self.progress("phase", {"phase": "eval (before RL)"})
+                before = self.evaluate()
+                heldout["warm_start"] = self.last_eval_report
+            self.summary = {"eval_success_before_rl": before.get("eval/success"), **warm, "heldout": heldout}
+            if warm or before:
+                logger.log(0, {**warm, **before})
             monitor.update(0, before)
-            self.progress("eval", {"step": 0, **before})
+            if before:
+                self.progress("eval", {"step": 0, **before})
             self.save_checkpoint()  # step 0: a kill from here on resumes without redoing the warm start
         total = self.cfg.train.steps
         engine = self.make_engine(last_step=total if stop_after is None else min(total, stop_after))
