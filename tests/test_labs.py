@@ -120,5 +120,7 @@ def test_distill_lab_runs_its_three_variants_on_the_quick_budget(tmp_path):
     assert result.numbers["on-policy"]["kl_last"] > 0 and result.numbers["self"]["kl_last"] >= 0
     assert result.numbers["grpo"]["kl_last"] != result.numbers["grpo"]["kl_last"]  # no teacher: NaN
     summary = (tmp_path / "summary.md").read_text()
-    assert "| on-policy |" in summary and ("Distinguishable" in summary or "Nothing here is distinguishable" in summary)
+    assert "| on-policy |" in summary and ("Helped, more than" in summary or "No variant helped" in summary)
+    assert result.numbers["grpo"]["versus_grpo"] == 0 and all(
+        -1 <= result.numbers[variant]["versus_grpo"] <= 1 for variant in ("on-policy", "self"))
     assert (tmp_path / "distill.png").stat().st_size > 1000

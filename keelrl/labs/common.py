@@ -151,11 +151,11 @@ def plot_variants(path: Path, runs: dict[str, list[dict[str, Any]]], panels: lis
     figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6))
     axes = list(axes) if len(panels) > 1 else [axes]
     for ax, (key, label) in zip(axes, panels):
-        for variant, rows in runs.items():
+        for index, (variant, rows) in enumerate(runs.items()):
             points = series(rows, key)
-            if points:
+            if points:  # a variant keeps its colour in every panel, also where another has no points
                 steps, values = zip(*points)
-                line = ax.plot(steps, values, marker="o", label=variant)[0]
+                line = ax.plot(steps, values, marker="o", label=variant, color=f"C{index}")[0]
                 for step, name in (marks or {}).get(variant, []):
                     ax.axvline(step, color=line.get_color(), linestyle="--", linewidth=1,
                                label=f"{variant}: {name} alarm")

@@ -1,7 +1,7 @@
 """Lab distill: when the student almost never succeeds, does a teacher give RL a signal?
 
-Three runs from the same student (SmolLM2-135M-Instruct as it comes: 0 of 209 held-out tasks
-strictly solved), with the same seed, tasks and number of student rollouts per step:
+Three runs from the same student, with the same seed, tasks and number of student rollouts per
+step:
 
 - grpo: plain GRPO on the strict reward (a group that all fails has no advantage to follow);
 - on-policy: GRPO plus on-policy distillation from a stronger checkpoint (`distill.mode=on_policy`,
@@ -9,22 +9,32 @@ strictly solved), with the same seed, tasks and number of student rollouts per s
   the student sampled);
 - self (OPSD): the same loss with the student itself as teacher, shown the task's reference fix.
 
+The student is SmolLM2-135M-Instruct warm-started on only `STUDENT_DEMOS` of the scripted
+teacher's fixes (12 updates): it writes the tool format and rarely solves a task (3/32 held-out,
+measured). The base model is no such student: it never writes the format at all, with or
+without the tools described in the prompt (0/32, every action malformed), and neither does it
+after 8 updates on 32 fixes; on-policy distillation could not move the base model there in 8
+updates either (the first SmolLM2 runs of this lab: GRPO, on-policy and self all 0/32 to 0/40,
+every action malformed; a reverse KL on tokens of prose has little to say about the one token
+where the format begins). A user's `model.path=` is taken as the student as is.
+
 The teacher is `distill.teacher=PATH` when given (e.g. the default run's
-`checkpoints/step-N/model`), else the lab makes one first: the student warm-started on the
-scripted teacher's fixes. Held-out strict success (one greedy attempt per task, the strong
+`checkpoints/step-N/model`), else the lab makes one first: SmolLM2 warm-started on
+`TEACHER_DEMOS` fixes. Held-out strict success (one greedy attempt per task, the strong
 verifier) is measured on the same tasks before RL and every `train.eval_every` steps. The start
 is evaluated once, in the first variant's run: the three start from the same weights and greedy
 decoding is deterministic, so the other two reuse that figure (`train.eval_before_rl=false`)
 and each variant's change is paired against it. The summary reports each variant's change with
 its paired standard error and says plainly when none is distinguishable from GRPO's.
 
-Every variant makes `train.minibatch_size=4`-trajectory updates (4 optimizer steps per RL step)
-at `train.lr=5e-5`: with one update per step at the default 2e-5, four steps moved nothing in
-the first SmolLM2 run of this lab (all variants 0/40, 100% malformed actions).
+Every variant makes `train.minibatch_size=4`-trajectory updates (4 optimizer steps per RL step,
+one group each) at `train.lr=5e-5`: with one update per step at the default 2e-5, four steps
+moved nothing in the first run.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -44,20 +54,23 @@ DISTILL_QUICK = ["model.path=tiny", "env.show_file=false", "env.max_turns=2", "r
                  "train.eval_tasks=4", "train.minibatch_size=4", "rollout.temperature=1.0", "train.eval_dtype=float32"]
 """--quick: the tiny model, for a smoke run of the machinery."""
 
-TEACHER_DEMOS = 64
+STUDENT_DEMOS = 48
+"""The student's warm start: 12 updates on 48 fixes, 3/32 held-out, no action malformed (16 and
+32 fixes left every action malformed; measured on SmolLM2, fp32 greedy evaluation)."""
+TEACHER_DEMOS = 128
+"""The teacher made when none is given: 32 updates on 128 fixes, the default run's warm start."""
 
 
-def make_teacher(out: Path, overrides: Sequence[str], quick: bool, progress: Callable[[str], None]) -> Path:
-    """The student warm-started on the scripted teacher's fixes, saved in out/teacher/model
-    (reused when already there)."""
+def warm_started(out: Path, name: str, demos: int, overrides: Sequence[str], progress: Callable[[str], None]) -> Path:
+    """The lab's model warm-started on `demos` of the scripted teacher's fixes, saved in
+    out/NAME/model (reused when already there)."""
     from keelrl.train.trainer import Trainer
 
-    target = out / "teacher" / "model"
+    target = out / name / "model"
     if (target / "config.json").exists():
         return target
-    progress("making the teacher: the student warm-started on the scripted teacher's fixes")
-    demos = 8 if quick else TEACHER_DEMOS
-    trainer = Trainer(config(out / "teacher", [*overrides, f"warm_start.demos={demos}", "distill.mode=none"]))
+    progress(f"making the {name}: the model warm-started on {demos} of the scripted teacher's fixes")
+    trainer = Trainer(config(out / name, [*overrides, f"warm_start.demos={demos}", "distill.mode=none"]))
     trainer.warm_start()
     trainer.model.save_pretrained(target)
     trainer.tokenizer.save_pretrained(target)
@@ -65,71 +78,92 @@ def make_teacher(out: Path, overrides: Sequence[str], quick: bool, progress: Cal
 
 
 def lab_distill(out: Path, overrides: Sequence[str], quick: bool, progress: Callable[[str], None]) -> LabResult:
-    from keelrl.monitor import read_metrics
-    from keelrl.train.evaluation import finite_or_none, paired_difference
     from keelrl.train.trainer import Trainer
 
     def without_teacher(settings: Sequence[str]) -> list[str]:  # the teacher is the on-policy variant's alone
         return [setting for setting in settings if not setting.startswith("distill.teacher=")]
 
-    given = [o.split("=", 1)[1] for o in [*overrides, *USER_OVERRIDES.get()] if o.startswith("distill.teacher=")]
-    teacher = Path(given[-1]) if given else make_teacher(out, without_teacher(overrides), quick, progress)
+    def given(key: str) -> str | None:
+        values = [o.split("=", 1)[1] for o in [*overrides, *USER_OVERRIDES.get()] if o.startswith(f"{key}=")]
+        return values[-1] if values else None
+
+    base = without_teacher(overrides)
+    teacher = given("distill.teacher") or warm_started(out, "teacher", 8 if quick else TEACHER_DEMOS, base, progress)
+    user_student = any(o.startswith("model.path=") for o in USER_OVERRIDES.get())
+    student = given("model.path") if user_student else warm_started(out, "student", 4 if quick else STUDENT_DEMOS,
+                                                                     base, progress)
     variants = {"grpo": ["distill.mode=none"],
                 "on-policy": ["distill.mode=on_policy", "distill.form=loss", "distill.divergence=reverse_kl",
                               f"distill.teacher={teacher}"],
                 "self": ["distill.mode=self", "distill.form=loss", "distill.divergence=reverse_kl"]}
-    runs: dict[str, list[dict[str, Any]]] = {}
-    lifts: dict[str, dict[str, Any]] = {}
-    start: tuple[dict[str, Any], dict[str, Any]] | None = None  # the shared start's step-0 row and report
+    first_run = True
     for label, extra in variants.items():
         progress(f"training variant {label!r}")
-        settings = [*without_teacher(overrides), *extra, *without_teacher(USER_OVERRIDES.get()),
-                    *([] if start is None else ["train.eval_before_rl=false"])]
+        settings = [*base, f"model.path={student}", *extra, *without_teacher(USER_OVERRIDES.get()),
+                    *([] if first_run else ["train.eval_before_rl=false"])]
         summary = Trainer(config(out / label, settings)).run()
-        rows = read_metrics(out / label)
-        if start is None:
-            if "warm_start" not in summary.get("heldout", {}):
-                raise ValueError("the distill lab evaluates the shared start in its first variant's run: "
-                                 "leave train.eval_before_rl true")
-            start = next(row for row in rows if row["step"] == 0), summary["heldout"]["warm_start"]
-        else:
-            rows = [start[0], *rows]
-        runs[label] = rows
-        final = summary.get("heldout", {}).get("final")
-        if final:  # final - the shared start, paired over the same tasks
-            change, change_se = paired_difference(start[1]["task_success"], final["task_success"])
-            lifts[label] = {"success": change, "success_se": finite_or_none(change_se)}
+        if first_run and "warm_start" not in summary.get("heldout", {}):
+            raise ValueError("the distill lab evaluates the shared start in its first variant's run: "
+                             "leave train.eval_before_rl true")
+        first_run = False
+    return distill_summary(out, list(variants), str(teacher), str(student))
+
+
+def distill_summary(out: Path, labels: Sequence[str], teacher: str, student: str) -> LabResult:
+    """The lab's chart, numbers and summary from its run directories out/LABEL (metrics.jsonl and
+    summary.json); the first label's run holds the shared start's evaluation."""
+    import json
+
+    from keelrl.monitor import read_metrics
+    from keelrl.train.evaluation import finite_or_none, paired_difference
+
+    summaries = {label: json.loads((out / label / "summary.json").read_text()) for label in labels}
+    reference = labels[0]
+    start_report = summaries[reference]["heldout"]["warm_start"]
+    start_row = next(row for row in read_metrics(out / reference) if row["step"] == 0)
+    runs = {label: read_metrics(out / label) if label == reference else [start_row, *read_metrics(out / label)]
+            for label in labels}
+    finals = {label: summaries[label]["heldout"]["final"]["task_success"] for label in labels}
     steps = steps_run(runs)
     chart = plot_variants(out / "distill.png", runs,
                           [("eval/success", "held-out strict success"), ("train/action_error_frac", "malformed actions"),
                            ("distill/kl", "reverse KL to the teacher, per token")],
                           "Learning from a teacher: GRPO vs on-policy distillation vs self-distillation")
-    numbers: dict[str, Any] = {"teacher": str(teacher), "steps": steps}
+    numbers: dict[str, Any] = {"teacher": teacher, "student": student, "steps": steps}
     rows = []
     for label, rows_of in runs.items():
-        change = lifts[label].get("success", math.nan)
-        se = lifts[label].get("success_se") or 0.0
+        change, change_se = paired_difference(start_report["task_success"], finals[label])  # final - start
+        versus, versus_se = paired_difference(finals[reference], finals[label])  # final - grpo's final
         curve = series(rows_of, "eval/success")
-        numbers[label] = {"eval_curve": curve, "change": change, "change_se": se,
+        numbers[label] = {"eval_curve": curve, "change": change, "change_se": finite_or_none(change_se),
+                          "versus_grpo": versus, "versus_grpo_se": finite_or_none(versus_se),
                           "reward_mean": mean([v for _, v in series(rows_of, "train/reward")]),
                           "action_error_frac_last": last(rows_of, "train/action_error_frac"),
                           "kl_first": first(rows_of, "distill/kl"), "kl_last": last(rows_of, "distill/kl")}
         rows.append((label, curve[0][1] if curve else math.nan, curve[-1][1] if curve else math.nan,
-                     f"{change:+.3f} +- {se:.3f}", numbers[label]["reward_mean"],
-                     numbers[label]["action_error_frac_last"],
+                     f"{change:+.3f} +- {change_se:.3f}",
+                     "-" if label == reference else f"{versus:+.3f} +- {versus_se:.3f}",
+                     numbers[label]["reward_mean"], numbers[label]["action_error_frac_last"],
                      f"{numbers[label]['kl_first']:.3g} -> {numbers[label]['kl_last']:.3g}"))
-    helped = [label for label in ("on-policy", "self")
-              if numbers[label]["change"] - numbers["grpo"]["change"] > 2 * max(numbers[label]["change_se"],
-                                                                                numbers["grpo"]["change_se"], 1e-9)]
-    verdict = (f"Distinguishable from GRPO (more than 2 standard errors): {', '.join(helped)}." if helped else
-               "Nothing here is distinguishable from plain GRPO: no variant's held-out change exceeds GRPO's by "
-               "more than 2 standard errors at this budget.")
+
+    def beyond(label: str, sign: int) -> bool:  # more than 2 paired standard errors from GRPO's final
+        versus, se = numbers[label]["versus_grpo"], numbers[label]["versus_grpo_se"] or 0.0
+        return sign * versus > 2 * max(se, 1e-9)
+
+    others = [label for label in labels if label != reference]
+    helped, hurt = [lb for lb in others if beyond(lb, 1)], [lb for lb in others if beyond(lb, -1)]
+    verdict = [f"Helped, more than 2 paired standard errors above {reference}'s final figure: {', '.join(helped)}."
+               if helped else
+               f"No variant helped: none ends more than 2 paired standard errors above {reference} at this budget."]
+    if hurt:
+        verdict.append(f"Hurt, more than 2 paired standard errors below {reference}: {', '.join(hurt)}.")
     summary_md = "\n".join([
         "# Lab: learning from a teacher", "",
-        f"The same student, seed and tasks; {steps} RL steps of GRPO each, plain, with on-policy distillation "
-        f"from `{teacher}`, and with self-distillation (the student shown the reference fix). Held-out strict "
-        "success on the same tasks before RL and during it.", "",
-        markdown_table(["variant", "held-out before", "held-out after", "change (paired SE)", "training reward (mean)",
+        f"The same student (`{student}`), seed and tasks; {steps} RL steps of GRPO each, plain, with on-policy "
+        f"distillation from `{teacher}`, and with self-distillation (the student shown the reference fix). "
+        "Held-out strict success on the same tasks before RL (evaluated once) and during it.", "",
+        markdown_table(["variant", "held-out before", "held-out after", "change (paired SE)",
+                        f"after - {reference}'s after (paired SE)", "training reward (mean)",
                         "malformed actions (last step)", "KL to teacher per token (first -> last step)"], rows), "",
-        verdict, "", f"Chart: {chart.name}"])
+        " ".join(verdict), "", f"Chart: {chart.name}"])
     return LabResult("distill", numbers, summary_md, [chart])
