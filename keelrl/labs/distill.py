@@ -112,8 +112,6 @@ def lab_distill(out: Path, overrides: Sequence[str], quick: bool, progress: Call
 def distill_summary(out: Path, labels: Sequence[str], teacher: str, student: str) -> LabResult:
     """The lab's chart, numbers and summary from its run directories out/LABEL (metrics.jsonl and
     summary.json); the first label's run holds the shared start's evaluation."""
-    import json
-
     from keelrl.monitor import read_metrics
     from keelrl.train.evaluation import finite_or_none, paired_difference
 
