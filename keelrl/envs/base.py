@@ -59,10 +59,14 @@ class Grade:
         total = sum(check.weight for check in self.checks)
         return sum(check.weight for check in self.checks if check.passed) / total if total else 0.0
 
+    @property
+    def passed(self) -> int:
+        """How many checks passed (process labels compare it turn by turn)."""
+        return sum(bool(check.passed) for check in self.checks)
+
     def summary(self) -> str:
-        passed = sum(check.passed for check in self.checks)
         failing = [f"{c.name}: {c.detail}" for c in self.checks if not c.passed]
-        head = f"reward {self.reward:g}, {passed}/{len(self.checks)} checks passed"
+        head = f"reward {self.reward:g}, {self.passed}/{len(self.checks)} checks passed"
         return head + "".join(f"\n  FAIL {line}" for line in failing)
 
 

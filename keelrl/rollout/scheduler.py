@@ -353,7 +353,7 @@ class EpisodeScheduler:
         trajectory.reward, trajectory.success, trajectory.partial = grade.reward, grade.success, grade.partial
         trajectory.checks = [{"name": c.name, "passed": c.passed, "detail": c.detail} for c in grade.checks]
         if self.cfg.label_steps and episode.acting:
-            episode.passes[-1] = passed_checks(grade)  # the final grade is the state after the last turn
+            episode.passes[-1] = grade.passed  # the final grade is the state after the last turn
             trajectory.step_passes = list(episode.passes)
             trajectory.step_labels = step_labels(episode.passes, episode.acting)
         return self._finish(episode)
@@ -436,11 +436,6 @@ class EpisodeScheduler:
         return [results[r.index] for r in requests]
 
 
-def passed_checks(grade: Any) -> int:
-    """How many of a grading's checks passed."""
-    return sum(bool(check.passed) for check in grade.checks)
-
-
 def step_labels(passes: Sequence[int], acting: Sequence[bool]) -> list[int]:
     """Process labels from pass counts: passes[0] before the first turn, passes[t + 1] after
     turn t. A turn that could change the code (`acting[t]`) is labelled 1 when it raised the
@@ -464,7 +459,7 @@ def _reset_counted(env: Any, task: Any, base_passes: dict[str, int]) -> tuple[st
     prompt = _reset(env, task)
     key = str(getattr(task, "id", task))
     if key not in base_passes:
-        base_passes[key] = passed_checks(env.grade())
+        base_passes[key] = env.grade().passed
     return prompt, base_passes[key]
 
 
@@ -473,7 +468,7 @@ def _step_counted(env: Any, action: str) -> tuple[str, bool, dict[str, Any], int
     code and the episode goes on (the final grade counts the last turn); otherwise None."""
     observation, done, info = _step(env, action)
     acted = not info.get("error") and info.get("tool") not in getattr(env, "read_only_tools", ())
-    return observation, done, info, passed_checks(env.grade()) if acted and not done else None
+    return observation, done, info, env.grade().passed if acted and not done else None
 
 
 def _step(env: Any, action: str) -> tuple[str, bool, dict[str, Any]]:
