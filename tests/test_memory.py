@@ -270,3 +270,67 @@ def test_logprobs_at_chosen_positions_equal_the_full_pass_there_and_give_the_sam
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+# --------------------------------------------------------------------------- the fused head
+def _naive_head(hidden, weight, bias, targets, temperature):
+    """The reference: autograd through one full log-softmax (float64)."""
+    log_q = torch.log_softmax(torch.nn.functional.linear(hidden, weight, bias) / temperature, dim=-1)  # [N, V]
+    return log_q.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(log_q.exp() * log_q).sum(-1)
+
+
+@pytest.mark.parametrize("seed,count,chunk,temperature,with_bias", [
+    (0, 17, 5, 1.0, False), (1, 9, 1, 0.7, True), (2, 32, 32, 1.3, False), (3, 11, 64, 0.5, True)])
+def test_head_logprobs_matches_a_full_log_softmax_in_values_and_every_gradient(seed, count, chunk, temperature,
+                                                                                with_bias):
+    """HeadLogprobs' hand-written backward (onehot - q for logp, -q (log q + H) for the entropy,
+    divided by the temperature) against autograd through a full float64 log-softmax."""
+    from keelrl.policy.model import HeadLogprobs
+
+    g = torch.Generator().manual_seed(seed)
+    vocab, size = 23, 6
+    hidden = torch.randn(count, size, generator=g, dtype=torch.float64) * 2
+    weight = torch.randn(vocab, size, generator=g, dtype=torch.float64)
+    bias = torch.randn(vocab, generator=g, dtype=torch.float64) if with_bias else None
+    targets = torch.randint(vocab, (count,), generator=g)
+    w_logp, w_entropy = torch.randn(count, generator=g, dtype=torch.float64), torch.randn(count, generator=g,
+                                                                                          dtype=torch.float64)
+    results = []
+    for fn in ("fused", "naive"):
+        leaves = [t.clone().requires_grad_(True) for t in (hidden, weight)] + \
+                 ([bias.clone().requires_grad_(True)] if bias is not None else [])
+        b = leaves[2] if bias is not None else None
+        if fn == "fused":
+            logp, entropy = HeadLogprobs.apply(leaves[0], leaves[1], b, targets, temperature, True, chunk)
+        else:
+            logp, entropy = _naive_head(leaves[0], leaves[1], b, targets, temperature)
+        ((logp * w_logp).sum() + (entropy * w_entropy).sum()).backward()
+        results.append([logp.detach(), entropy.detach()] + [leaf.grad for leaf in leaves])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_head_logprobs_passes_gradcheck_with_and_without_the_entropy():
+    from keelrl.policy.model import HeadLogprobs
+
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(5, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(9, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(9, generator=g, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(9, (5,), generator=g)
+    assert torch.autograd.gradcheck(lambda h, w, b: HeadLogprobs.apply(h, w, b, targets, 0.8, True, 2),
+                                    (hidden, weight, bias))
+    assert torch.autograd.gradcheck(lambda h, w, b: HeadLogprobs.apply(h, w, b, targets, 1.0, False, 3)[0],
+                                    (hidden, weight, bias))
+
+
+def test_head_chunk_bounds_the_logits_of_one_call_and_rejects_a_bad_size():
+    from keelrl.policy.model import HEAD_CHUNK_BYTES, head_chunk
+
+    assert head_chunk(1, 49152, None) == 256  # capped: 256 x 49,152 x 4 bytes = 48 MiB
+    assert head_chunk(1, 151936, None) == HEAD_CHUNK_BYTES // (4 * 151936) == 110
+    assert head_chunk(4, 151936, None) == 27  # rows share the budget
+    assert head_chunk(1, 10**9, None) == 8  # never fewer than 8 positions a call
+    assert head_chunk(3, 151936, 5) == 5
+    with pytest.raises(ValueError, match="chunk_size must be >= 1, got 0"):
+        head_chunk(1, 100, 0)

@@ -35,6 +35,27 @@ def resolve_device(name: str = "auto") -> torch.device:
     return device
 
 
+def pin_to_cores(cores: Sequence[int]) -> None:
+    """Run every thread of this process on `cores` only, with as many torch threads.
+
+    `os.sched_setaffinity(0, ...)` moves only the calling thread; threads that exist already
+    (torch's pool, Ray's) are moved one by one through /proc/self/task. Threads started later
+    inherit the mask.
+    """
+    import os
+
+    mask = set(cores)
+    if not mask:
+        raise ValueError("pin_to_cores needs at least one core")
+    os.sched_setaffinity(0, mask)
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), mask)
+        except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
+            pass
+    torch.set_num_threads(len(mask))
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
     """bf16 on GPUs that support it, else float32."""
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
@@ -147,7 +168,23 @@ def check_causal_lm(path: str, directory: Path) -> None:
         f"e.g. an instruct model such as SmolLM2-135M-Instruct")
 
 
-def token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor, *, chunk_size: int = 256,
+HEAD_CHUNK_BYTES = 64 * 2**20
+"""The float32 logits of one head call are kept under this size: 256 positions at SmolLM2's
+49k vocabulary, 110 at Qwen2's 152k. In the backward pass each checkpointed chunk briefly holds
+about six tensors of that size, so this bounds the head's working memory whatever the vocabulary
+(at V = 152k, T = 2k: 1.53 GiB with 256-position chunks against 5.79 GiB for a full log-softmax)."""
+
+
+def head_chunk(rows: int, vocab: int, chunk_size: int | None) -> int:
+    """Positions per head call for `rows` rows: `chunk_size`, or (None) what fits HEAD_CHUNK_BYTES."""
+    if chunk_size is not None:
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        return chunk_size
+    return max(8, min(256, HEAD_CHUNK_BYTES // (4 * vocab * max(1, rows))))
+
+
+def token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor, *, chunk_size: int | None = None,
                    with_entropy: bool = False, with_hidden: bool = False,
                    positions: Tensor | None = None, temperature: float = 1.0) -> dict[str, Tensor]:
     """input_ids, attention_mask [B, T] -> {"logp": [B, T], "entropy": [B, T], "hidden": [B, T, H]}.
@@ -183,41 +220,143 @@ def token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor, *, chu
 
 
 def logprobs_from_hidden(model: Any, hidden: Tensor, input_ids: Tensor, *, positions: Tensor | None,
-                          with_entropy: bool, temperature: float, chunk_size: int = 256) -> tuple[Tensor, Tensor | None]:
-    """The head half of `token_logprobs`: hidden [B, T, H] of input_ids [B, T] -> (logp, entropy) [B, T]."""
-    from torch.utils.checkpoint import checkpoint
+                          with_entropy: bool, temperature: float, chunk_size: int | None = None) -> tuple[Tensor, Tensor | None]:
+    """The head half of `token_logprobs`: hidden [B, T, H] of input_ids [B, T] -> (logp, entropy) [B, T].
 
+    The scored positions (all of them, or where `positions` is True) are gathered into one flat
+    [N, H] batch and run through `HeadLogprobs` (a linear head) in chunks of `chunk_size`
+    positions (None: `head_chunk`'s, from the vocabulary). A head that is not a plain linear
+    layer runs chunk by chunk under activation checkpointing instead.
+    """
     head = model.get_output_embeddings()
     batch, length = input_ids.shape
     dtype = torch.promote_types(hidden.dtype, torch.float32)  # float64 weights keep float64
-    logp = hidden.new_zeros(batch, length, dtype=dtype)
-    entropy = hidden.new_zeros(batch, length, dtype=dtype) if with_entropy else None
-    recompute = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
-
-    def head_pass(piece: Tensor, targets: Tensor) -> tuple[Tensor, Tensor | None]:
-        if recompute:
-            return checkpoint(_head_logprobs, head, piece, targets, with_entropy, temperature, use_reentrant=False)
-        return _head_logprobs(head, piece, targets, with_entropy, temperature)
-
-    if positions is not None:
-        rows, steps = positions[:, 1:].nonzero(as_tuple=True)  # token steps+1 is predicted at steps
-        flat_chunk = chunk_size  # positions per head call: [chunk, V] logits, as one row's chunk
-        for start in range(0, rows.numel(), flat_chunk):
-            row, step = rows[start:start + flat_chunk], steps[start:start + flat_chunk]
-            piece, targets = hidden[row, step].unsqueeze(0), input_ids[row, step + 1].unsqueeze(0)  # [1, n, H]
-            chunk_logp, chunk_entropy = head_pass(piece, targets)
-            logp = logp.index_put((row, step + 1), chunk_logp[0])
-            if entropy is not None and chunk_entropy is not None:
-                entropy = entropy.index_put((row, step + 1), chunk_entropy[0])
-        return logp, entropy
-    for start in range(0, length - 1, chunk_size):
-        stop = min(start + chunk_size, length - 1)
-        piece, targets = hidden[:, start:stop], input_ids[:, start + 1:stop + 1]
-        chunk_logp, chunk_entropy = head_pass(piece, targets)
-        logp[:, start + 1:stop + 1] = chunk_logp
-        if entropy is not None and chunk_entropy is not None:
-            entropy[:, start + 1:stop + 1] = chunk_entropy
+    scored = torch.ones(batch, length - 1, dtype=torch.bool, device=input_ids.device) if positions is None \
+        else positions[:, 1:].bool()
+    rows, steps = scored.nonzero(as_tuple=True)  # token steps+1 is predicted at steps
+    flat_hidden, targets = hidden[rows, steps], input_ids[rows, steps + 1]  # [N, H], [N]
+    if isinstance(head, nn.Linear):
+        vocab = head.weight.shape[0]
+        flat_logp, flat_entropy = HeadLogprobs.apply(flat_hidden, head.weight, head.bias, targets, temperature,
+                                                     with_entropy, head_chunk(1, vocab, chunk_size))
+    else:
+        flat_logp, flat_entropy = _checkpointed_head(head, flat_hidden, targets, with_entropy, temperature,
+                                                     chunk_size or 256)
+    logp = hidden.new_zeros(batch, length, dtype=dtype).index_put((rows, steps + 1), flat_logp.to(dtype))
+    entropy = None
+    if with_entropy:
+        entropy = hidden.new_zeros(batch, length, dtype=dtype).index_put((rows, steps + 1), flat_entropy.to(dtype))
     return logp, entropy
+
+
+def _head_dtype(weight: Tensor) -> torch.dtype:
+    return torch.promote_types(weight.dtype, torch.float32)
+
+
+def _tempered_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
+    """hidden [c, H] -> logits / temperature [c, V], float32 at least, the head in its weights' dtype
+    (as `output_logits`: never bf16 logits under a learner's autocast)."""
+    with torch.autocast(device_type=hidden.device.type, enabled=False):
+        logits = torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias).to(_head_dtype(weight))
+    return logits / temperature if temperature != 1.0 else logits
+
+
+class HeadLogprobs(torch.autograd.Function):
+    """hidden [N, H], a linear head (weight [V, H], bias [V] or None), targets [N] ->
+    (logp [N], entropy [N]) of softmax(head(hidden) / temperature), in chunks of positions.
+
+    Neither pass keeps logits: the forward keeps each position's log-sum-exp and entropy ([N]),
+    the backward recomputes one chunk's logits at a time and writes the head's gradient into one
+    [V, H] buffer (`addmm_`). With z = logits / temperature, log q = z - logsumexp(z), q = exp:
+    d logp_target / dz = onehot(target) - q, and d entropy / dz = -q (log q + entropy).
+    Working memory is a few [chunk, V] tensors plus that one gradient buffer; autograd through
+    a full log-softmax holds several [N, V] tensors, and through checkpointed chunks it holds a
+    second [V, H] buffer (each chunk's weight gradient, summed by the engine).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
+                temperature: float, with_entropy: bool, chunk: int) -> tuple[Tensor, Tensor]:
+        count, dtype = hidden.shape[0], _head_dtype(weight)
+        logp = hidden.new_empty(count, dtype=dtype)
+        log_norm = hidden.new_empty(count, dtype=dtype)
+        entropy = hidden.new_zeros(count, dtype=dtype)
+        for start in range(0, count, chunk):
+            piece = slice(start, start + chunk)
+            z = _tempered_logits(hidden[piece], weight, bias, temperature)  # [c, V]
+            lse = torch.logsumexp(z, dim=-1)  # [c]
+            log_norm[piece] = lse
+            logp[piece] = z.gather(-1, targets[piece].unsqueeze(-1)).squeeze(-1) - lse
+            if with_entropy:
+                log_q = z.sub_(lse.unsqueeze(-1))  # [c, V], in place: z is not needed again
+                entropy[piece] = -(log_q.exp() * log_q).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, targets, log_norm, entropy)
+        ctx.temperature, ctx.with_entropy, ctx.chunk = temperature, with_entropy, chunk
+        ctx.set_materialize_grads(False)  # an unused output's gradient comes as None: its terms are skipped
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx: Any, grad_logp: Tensor | None, grad_entropy: Tensor | None
+                 ) -> tuple[Tensor | None, ...]:
+        hidden, weight, bias, targets, log_norm, entropy = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        dtype = _head_dtype(weight)
+        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_weight else None
+        grad_bias = torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if need_bias else None
+        use_entropy = ctx.with_entropy and grad_entropy is not None
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            piece = slice(start, start + ctx.chunk)
+            log_q = _tempered_logits(hidden[piece], weight, bias, ctx.temperature).sub_(log_norm[piece].unsqueeze(-1))
+            q = log_q.exp()  # [c, V]
+            grad_z = torch.zeros_like(q)  # [c, V]
+            if grad_logp is not None:
+                g = grad_logp[piece].to(dtype).unsqueeze(-1)  # [c, 1]
+                grad_z.addcmul_(q, g, value=-1.0).scatter_add_(-1, targets[piece].unsqueeze(-1), g)
+            if use_entropy and grad_entropy is not None:
+                log_q.add_(entropy[piece].unsqueeze(-1))  # log q + entropy
+                grad_z.addcmul_(q.mul_(log_q), grad_entropy[piece].to(dtype).unsqueeze(-1), value=-1.0)
+            if ctx.temperature != 1.0:
+                grad_z.div_(ctx.temperature)
+            grad_z = grad_z.to(weight.dtype)
+            if grad_hidden is not None:
+                grad_hidden[piece] = (grad_z @ weight).to(hidden.dtype)
+            if grad_weight is not None:
+                h = hidden[piece].to(weight.dtype)
+                if grad_weight.dtype == weight.dtype:
+                    grad_weight.addmm_(grad_z.t(), h)
+                else:  # low-precision weights: accumulate in float32
+                    grad_weight.add_((grad_z.t() @ h).to(grad_weight.dtype))
+            if grad_bias is not None:
+                grad_bias.add_(grad_z.sum(0).to(grad_bias.dtype))
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def _checkpointed_head(head: nn.Module, hidden: Tensor, targets: Tensor, with_entropy: bool, temperature: float,
+                       chunk: int) -> tuple[Tensor, Tensor]:
+    """hidden [N, H], targets [N] -> (logp, entropy) [N] through any head module, each chunk
+    checkpointed (its logits recomputed in the backward pass)."""
+    from torch.utils.checkpoint import checkpoint
+
+    recompute = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
+    logps, entropies = [], []
+    for start in range(0, hidden.shape[0], chunk):
+        piece, goal = hidden[start:start + chunk].unsqueeze(0), targets[start:start + chunk].unsqueeze(0)  # [1, c, H]
+        if recompute:
+            chunk_logp, chunk_entropy = checkpoint(_head_logprobs, head, piece, goal, with_entropy, temperature,
+                                                   use_reentrant=False)
+        else:
+            chunk_logp, chunk_entropy = _head_logprobs(head, piece, goal, with_entropy, temperature)
+        logps.append(chunk_logp[0])
+        entropies.append(chunk_entropy[0] if chunk_entropy is not None else torch.zeros_like(chunk_logp[0]))
+    empty = hidden.new_zeros(0, dtype=torch.promote_types(hidden.dtype, torch.float32))
+    return (torch.cat(logps) if logps else empty), (torch.cat(entropies) if entropies else empty)
 
 
 def _result(logp: Tensor, entropy: Tensor | None, hidden: Tensor | None) -> dict[str, Tensor]:
