@@ -179,6 +179,44 @@ def test_fresh_rollouts_arrive_with_importance_weight_one_at_any_temperature(mod
     assert row["rollout/arrival_is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
 
 
+def test_one_update_a_step_takes_its_proximal_logprobs_from_the_update_and_changes_nothing(model_dir, tmp_path,
+                                                                                          monkeypatch):
+    """One epoch, the whole batch one minibatch: the no-grad pass before the update is skipped
+    (its log-probs are the update's own, detached), and the step's weights and metrics are those
+    of a step that ran it."""
+    import torch
+
+    from keelrl.train import trainer as trainer_module
+
+    overrides = [*TINY_RUN, f"model.path={model_dir}", "train.steps=1", "rollout.engine=sync", *FAST,
+                 "train.minibatch_size=4", "train.eval_every=5"]
+    passes = []
+    real = trainer_module.chunked_token_logprobs
+    monkeypatch.setattr(trainer_module, "chunked_token_logprobs",
+                        lambda *a, **k: passes.append(1) or real(*a, **k))
+    results = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(Trainer, "prox_from_update", lambda self, batch: False)
+        run_dir = tmp_path / str(fused)
+        trainer = Trainer(load_config(overrides=[*overrides, f"run_dir={run_dir}"]))
+        trainer.warm_start()
+        passes.clear()
+        engine = trainer.make_engine()
+        engine.start(0)
+        row = trainer.rl_step(1, engine.batch(1))
+        engine.close()
+        assert row["train/updates"] == 1
+        results[fused] = (row, [p.detach().clone() for p in trainer.model.parameters()], len(passes))
+    (fused_row, fused_params, fused_passes), (plain_row, plain_params, plain_passes) = results[True], results[False]
+    assert plain_passes == fused_passes + 1  # (a reference model, if any, has its own pass in both)
+    for a, b in zip(fused_params, plain_params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for key in ("policy/loss", "rollout/arrival_is_weight_mean", "rollout/arrival_is_weight_max", "train/reward"):
+        assert fused_row[key] == pytest.approx(plain_row[key], rel=1e-4, abs=1e-5), key
+    assert fused_row["rollout/arrival_is_weight_max"] == pytest.approx(1.0, abs=1e-3)
+
+
 def test_an_environment_that_raises_costs_its_group_not_the_step(model_dir, tmp_path):
     """One task's environment raises in step(): its episodes end as env_error with the error kept,
     its group is left out (no baseline), and the step still updates on the other group."""

@@ -59,7 +59,8 @@ from keelrl.envs.teacher import ScriptedTeacher
 from keelrl.alarms import PATCH_TOOLS, AlarmEvent, AlarmMonitor, distinct_patches
 from keelrl.monitor import MetricsLogger, plot_run, read_metrics, truncate_jsonl
 from keelrl.policy.critic import build_critic
-from keelrl.policy.model import (chunked_token_logprobs, cpu_has_amx_bf16, learner_autocast, load_policy, resolve_device, row_lengths,
+from keelrl.policy.model import (chunked_token_logprobs, cpu_has_amx_bf16, learner_autocast, load_policy, pin_to_cores,
+                                 resolve_device, row_lengths,
                                  split_rows, token_logprobs)
 from keelrl.policy.prefix import micro_logprobs, plan_passes
 from keelrl.train.curriculum import Curriculum, CurriculumConfig
@@ -209,6 +210,16 @@ def prefix_keys(train: Any, batch: Batch) -> torch.Tensor | None:
     return batch.group_ids.cpu()
 
 
+def arrival_stats(prox_logp: torch.Tensor, batch: Batch, algo: AlgoConfig) -> dict[str, float]:
+    """How off-policy the batch arrived: the importance weight pi_prox / mu over its action tokens."""
+    mask = batch.action_mask
+    log_w = (prox_logp - batch.behaviour_logprobs).masked_fill(~mask, 0.0).clamp(-algo.max_log_ratio,
+                                                                                 algo.max_log_ratio)
+    arrival = torch.exp(log_w)  # [B, T]
+    return {"rollout/arrival_is_weight_mean": (arrival * mask).sum().item() / max(1, int(mask.sum())),
+            "rollout/arrival_is_weight_max": arrival.masked_fill(~mask, 0.0).max().item()}
+
+
 def group_order(group_ids: Sequence[int], rng: random.Random) -> list[int]:
     """Row indices with the groups in a shuffled order and each group's rows together (in attempt
     order): minibatches cut from it hold whole groups when train.minibatch_size is a multiple of
@@ -270,6 +281,8 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.progress = progress or (lambda event, info: None)
         self.device = resolve_device(cfg.device)
+        if cfg.train.learner_cores:  # before the first torch op starts its thread pool
+            pin_to_cores(cfg.train.learner_cores)
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         self.model, self.tokenizer = load_policy(cfg.model.path, self.device)
@@ -445,11 +458,16 @@ class Trainer:
         filled = fill_batch(groups, draw, target=len(groups), max_extra=self.cfg.rollout.dynamic_max_extra_groups)
         return StepRollouts([t for group in filled.groups for t in group], {**rollouts.metrics, **filled.metrics})
 
+    def rollout_sampling(self) -> SamplingConfig:
+        """How training rollouts sample actions (override for other stop strings, as bench/ does)."""
+        r = self.cfg.rollout
+        return SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
+
     def make_engine(self, last_step: int | None = None) -> RolloutEngine:
         """The configured rollout engine over this trainer's policy and training environment; it
         sends no requests ahead past `last_step` (default: train.steps)."""
         r = self.cfg.rollout
-        sampling = SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
+        sampling = self.rollout_sampling()
         make_env = self.train_env_factory()
         engine: RolloutEngine
         if r.engine == "ray":
@@ -458,6 +476,7 @@ class Trainer:
             engine = RayEngine(self.requests_for, model_path=self.cfg.model.path, tokenizer=self.tokenizer,
                                make_env=make_env, sampling=sampling, rollout=self._rollout_cfg(r.group_size),
                                max_staleness=r.max_staleness, workers=r.workers, worker_cpus=r.worker_cpus,
+                               worker_cores=tuple(r.worker_cores),
                                worker_timeout_s=r.worker_timeout_s, seed=self.cfg.seed)
         else:
             engine = LocalEngine(self.requests_for, model=self.model, tokenizer=self.tokenizer, make_env=make_env,
@@ -554,27 +573,26 @@ class Trainer:
     # ----------------------------------------------------------------- RL
     @torch.no_grad()
     def _advantages(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
-                                                 torch.Tensor | None, torch.Tensor, dict[str, float]]:
+                                                 torch.Tensor | None, torch.Tensor | None, dict[str, float]]:
         """-> (advantages, returns, old values, reference log-probs, proximal log-probs, statistics).
 
         The proximal log-probs are the learner's, before this step's update: the decoupled
         objective's pi_prox, and (against the behaviour log-probs) a measure of how off-policy
-        the batch arrived.
+        the batch arrived. None when the update's own pass provides them (`prox_from_update`).
         """
         algo = self.cfg.algo
         mask = batch.action_mask
         budget = self.cfg.train.micro_batch_tokens
         keys = prefix_keys(self.cfg.train, batch)
         steps, step_labels = labelled_turns(batch)
-        with self.autocast():  # the same precision as the update's passes: fresh ratios stay 1
-            prox_out = chunked_token_logprobs(self.model, batch.input_ids, batch.attention_mask, max_tokens=budget,
-                                              value_fn=self.value_head, positions=mask,
-                                              temperature=self.cfg.rollout.temperature, keys=keys,
-                                              hidden_at=steps if self.prm is not None else None)
-        prox_logp = prox_out["logp"]
-        log_w = (prox_logp - batch.behaviour_logprobs).masked_fill(~mask, 0.0).clamp(-algo.max_log_ratio,
-                                                                                     algo.max_log_ratio)
-        arrival = torch.exp(log_w)
+        prox_out: dict[str, torch.Tensor] = {}
+        if not self.prox_from_update(batch):
+            with self.autocast():  # the same precision as the update's passes: fresh ratios stay 1
+                prox_out = chunked_token_logprobs(self.model, batch.input_ids, batch.attention_mask, max_tokens=budget,
+                                                  value_fn=self.value_head, positions=mask,
+                                                  temperature=self.cfg.rollout.temperature, keys=keys,
+                                                  hidden_at=steps if self.prm is not None else None)
+        prox_logp = prox_out.get("logp")
         token_rewards = outcome_to_token_rewards(batch.rewards, mask)
         ref_logp = None
         if self.reference is not None:
@@ -601,6 +619,7 @@ class Trainer:
         distill_stats: dict[str, float] = {}
         if self.teacher is not None and self._teacher_view is not None:
             teacher_logp = self.teacher.logprobs(self._teacher_view, mask, keys)
+            assert prox_logp is not None  # a teacher keeps the pre-update pass
             sampled_kl = sampled_reverse_kl(prox_logp, teacher_logp).masked_fill(~mask, 0.0)  # [B, T]
             distill_stats["distill/sampled_kl"] = sampled_kl.sum().item() / max(1, int(mask.sum()))
             if self.cfg.distill.form == "advantage":  # a dense per-token reward: -coef x the sampled reverse KL
@@ -608,11 +627,23 @@ class Trainer:
         same = batch.group_ids.unsqueeze(0) == batch.group_ids.unsqueeze(1)
         spread = torch.where(same, batch.rewards.unsqueeze(0), float("nan"))
         mixed = (spread.nan_to_num(-1e9).amax(1) != spread.nan_to_num(1e9).amin(1)).float()
-        stats = {"train/zero_advantage_frac": 1.0 - mixed.mean().item(),
-                 "rollout/arrival_is_weight_mean": (arrival * mask).sum().item() / max(1, int(mask.sum())),
-                 "rollout/arrival_is_weight_max": arrival.masked_fill(~mask, 0.0).max().item(),
-                 **distill_stats, **prm_stats}
+        stats = {"train/zero_advantage_frac": 1.0 - mixed.mean().item(), **distill_stats, **prm_stats}
+        if prox_logp is not None:
+            stats.update(arrival_stats(prox_logp, batch, algo))
         return advantages, out.returns, values, ref_logp, prox_logp, stats
+
+    def prox_from_update(self, batch: Batch) -> bool:
+        """Whether the proximal log-probs come from the update's own forward pass, not a no-grad pass before it.
+
+        When a step makes exactly one update (one epoch, the whole batch one minibatch), every
+        row's forward pass in that update runs on the pre-update weights, so its detached
+        log-probs are the proximal ones: the separate pass (a quarter of the learner's work)
+        is redundant. Not so with a critic, a process reward model or a teacher, which need
+        the pre-update pass's values, hidden states or log-probs before the update starts.
+        """
+        train = self.cfg.train
+        return (train.epochs == 1 and batch.input_ids.shape[0] <= train.minibatch_size and self.value_head is None
+                and self.prm is None and self.teacher is None)
 
     def teacher_samples(self, step: int) -> bool:
         """Whether step `step` trains on teacher-sampled histories (GKD's 1 - lambda of the steps,
@@ -624,11 +655,10 @@ class Trainer:
         """The step's groups (the same tasks, seeds and group ids as the student's), sampled by
         the teacher at the rollout temperature."""
         assert self.teacher is not None and self.teacher.model is not None
-        r = self.cfg.rollout
         requests = self.requests_for(step)
         tasks = [request.task for request in requests for _ in range(request.group_size)]
         groups = [request.group_id for request in requests for _ in range(request.group_size)]
-        sampling = SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
+        sampling = self.rollout_sampling()
         trajectories = run_episodes(self._env(training=True), tasks, self.tokenizer,
                                     model_actor(self.teacher.model, self.tokenizer, sampling),
                                     self._rollout_cfg(1), group_ids=groups, seed=requests[0].seed if requests else 0)
@@ -655,6 +685,7 @@ class Trainer:
         self._teacher_view = None if self.teacher is None else self.teacher.view(batch, trajectories, self.pad_id)
         advantages, returns, old_values, ref_all, prox_all, stats = self._advantages(batch)
         if rollouts.sampled_by_teacher:  # another policy's samples: distil on them, do not reinforce them
+            assert prox_all is not None  # a teacher keeps the pre-update pass
             advantages = torch.zeros_like(advantages)
             batch.behaviour_logprobs = prox_all.to(batch.behaviour_logprobs.dtype).masked_fill(~batch.action_mask, 0.0)
             stats.pop("distill/sampled_kl", None)  # a KL under the teacher's samples, not the student's
@@ -667,13 +698,16 @@ class Trainer:
         sums: dict[str, float] = {}
         updates = skipped = micro_batches = 0
         rng = random.Random(f"{self.cfg.seed}:minibatch:{step}")
+        fill_prox = prox_all is None  # filled by the update's own forward pass (prox_from_update)
+        if prox_all is None:
+            prox_all = torch.zeros_like(batch.behaviour_logprobs)
         learner = (advantages, returns, old_values, ref_all, prox_all)
         for _ in range(train.epochs):
             order = group_order([t.group_id for t in trajectories], rng)
             for start in range(0, len(order), train.minibatch_size):
                 rows = torch.tensor(order[start:start + train.minibatch_size], device=self.device)
                 self.optimizer.zero_grad(set_to_none=True)
-                metrics, passes = self.accumulate_gradients(batch, rows, *learner)
+                metrics, passes = self.accumulate_gradients(batch, rows, *learner, fill_prox=fill_prox)
                 micro_batches += passes
                 if metrics is None:  # a micro-batch's loss was not finite
                     self.optimizer.zero_grad(set_to_none=True)
@@ -690,6 +724,8 @@ class Trainer:
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + value
         self.skipped_steps += skipped
+        if fill_prox:
+            stats.update(arrival_stats(prox_all, batch, algo))
         seconds = time.monotonic() - started
         tokens = int(batch.attention_mask.sum())
         row: dict[str, Any] = {key: value / max(1, updates) for key, value in sums.items()}
@@ -734,8 +770,11 @@ class Trainer:
 
     def accumulate_gradients(self, batch: Batch, rows: torch.Tensor, advantages: torch.Tensor,
                              returns: torch.Tensor, old_values: torch.Tensor | None, ref_all: torch.Tensor | None,
-                             prox_all: torch.Tensor) -> tuple[dict[str, float] | None, int]:
+                             prox_all: torch.Tensor, fill_prox: bool = False) -> tuple[dict[str, float] | None, int]:
         """Backward of the minibatch `rows` of `batch`, in micro-batches -> (the minibatch's metrics, passes run).
+
+        `fill_prox`: the proximal log-probs are this pass's own (detached), written into `prox_all`
+        as each micro-batch runs (`prox_from_update`).
 
         Gradients add up in the parameters' .grad (the caller zeroes them first) to those of one
         pass over the whole minibatch: each micro-batch's loss is scaled by `micro_batch_scale`.
@@ -768,6 +807,8 @@ class Trainer:
                                      with_hidden=self.value_head is not None or loss_teacher is not None,
                                      positions=scored[group, :width], temperature=self.cfg.rollout.temperature)
             ref = None if ref_all is None or algo.kl_in_reward else ref_all[micro_rows, :width]
+            if fill_prox:
+                prox_all[micro_rows, :width] = out["logp"].detach().to(prox_all.dtype)
             loss, metrics = policy_objective(logp=out["logp"], old_logp=micro.behaviour_logprobs,
                                              advantages=advantages[micro_rows, :width], mask=micro.action_mask,
                                              cfg=algo, ref_logp=ref, entropy=out["entropy"],
