@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import inspect
 import math
+import os
 import re
 import textwrap
 import types
@@ -43,6 +44,16 @@ model that learns the multi-turn tool format from many demos at a high learning 
 and the fast tests start from it; any override after it wins."""
 
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
+
+
+def _cores(name: str, cores: list[int]) -> None:
+    """CPU core numbers: distinct, each one this machine has."""
+    count = os.cpu_count() or 1
+    bad = [core for core in cores if not isinstance(core, int) or isinstance(core, bool) or not 0 <= core < count]
+    if bad:
+        raise ConfigError(name, f"no such CPU core {bad[0]!r}: this machine has cores 0..{count - 1}")
+    if len(set(cores)) != len(cores):
+        raise ConfigError(name, f"a core is listed twice in {cores}")
 
 
 def _positive(**values: float) -> None:
@@ -163,10 +174,14 @@ class RolloutSettings:
     dynamic_max_extra_groups: int = 16
     """Dynamic sampling (algo.dynamic_sampling): at most this many extra groups drawn per step to
     replace groups whose rewards are all equal."""
+    worker_cores: list[int] = dataclasses.field(default_factory=list)
+    """Ray: pin rollout worker i to CPU core worker_cores[i % len] with one torch thread (empty:
+    wherever the OS runs them). With train.learner_cores, rollouts and learner never share a core."""
 
     def __post_init__(self) -> None:
         from keelrl.rollout.engines import ENGINES
 
+        _cores("worker_cores", self.worker_cores)
         _positive(tasks_per_step=self.tasks_per_step, group_size=self.group_size,
                   temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
                   max_context_tokens=self.max_context_tokens, env_threads=self.env_threads,
@@ -244,7 +259,12 @@ class TrainConfig:
     prompt, ~25 action tokens, groups of 4; bench/bench_learner.py). Off under
     gradient_checkpointing. The micro_batch_tokens budget counts each shared prompt once."""
 
+    learner_cores: list[int] = dataclasses.field(default_factory=list)
+    """Pin the learner's process to these CPU cores, with as many torch threads (empty: no pinning).
+    Ray workers started afterwards are pinned by rollout.worker_cores, not by this."""
+
     def __post_init__(self) -> None:
+        _cores("learner_cores", self.learner_cores)
         _positive(lr=self.lr, max_grad_norm=self.max_grad_norm, epochs=self.epochs,
                   minibatch_size=self.minibatch_size, eval_every=self.eval_every, eval_tasks=self.eval_tasks,
                   checkpoint_every=self.checkpoint_every, micro_batch_tokens=self.micro_batch_tokens)

@@ -49,3 +49,38 @@ def test_full_step_on_device_matches_float64_cpu(device, preset):
     torch.testing.assert_close(grad.double().cpu(), ref_grad, rtol=1e-3, atol=1e-5)
     for key in ref_metrics:
         torch.testing.assert_close(metrics[key].double().cpu(), ref_metrics[key], rtol=1e-3, atol=1e-5)
+
+
+def test_pin_to_cores_moves_every_thread_of_the_process_and_sets_torch_threads():
+    """In a child process (pinning is process-wide): threads that existed before are moved too."""
+    import subprocess
+    import sys
+
+    code = """
+import os, threading, time, torch
+from keelrl.policy.model import pin_to_cores
+torch.ones(256, 256) @ torch.ones(256, 256)  # torch's pool exists before the pin
+event = threading.Event()
+waiter = threading.Thread(target=event.wait); waiter.start()
+pin_to_cores([0])
+cores = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir('/proc/self/task')}
+event.set(); waiter.join()
+print(sorted(cores), torch.get_num_threads())
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[(0,)] 1"
+
+
+def test_cores_that_the_machine_lacks_or_repeats_fail_at_config_time_naming_the_field():
+    import os
+
+    from keelrl.config import load_config
+    from keelrl.errors import ConfigError
+
+    count = os.cpu_count() or 1
+    with pytest.raises(ConfigError, match=rf"train.learner_cores.*no such CPU core {count}"):
+        load_config(overrides=[f"train.learner_cores=[{count}]"])
+    with pytest.raises(ConfigError, match=r"rollout.worker_cores.*listed twice"):
+        load_config(overrides=["rollout.worker_cores=[0, 0]"])
+    assert load_config(overrides=["rollout.worker_cores=[0]"]).rollout.worker_cores == [0]

@@ -93,6 +93,23 @@ def test_a_killed_worker_is_replaced_and_its_episodes_requeued(cluster, model_di
         engine.close()
 
 
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="pinning to separate cores needs two cores")
+def test_workers_are_pinned_to_their_cores_with_one_torch_thread(cluster, model_dir):
+    """rollout.worker_cores: worker i runs every thread on core worker_cores[i % n], one torch thread."""
+    model, tokenizer = load_policy(str(model_dir), "cpu")
+    engine = RayEngine(lambda step: [], model_path=str(model_dir), tokenizer=tokenizer,
+                       make_env=CodingEnvFactory("strong", max_turns=1), sampling=SamplingConfig(max_new_tokens=4),
+                       rollout=RolloutConfig(max_turns=1, env_threads=1), workers=2, worker_cores=(1,),
+                       worker_cpus=0.5)
+    try:
+        placements = [ray.get(actor.placement.remote(), timeout=600) for actor in engine.actors]
+    finally:
+        engine.close()
+    assert len({p["pid"] for p in placements}) == 2
+    for placement in placements:
+        assert placement["thread_cores"] == [(1,)] and placement["torch_threads"] == 1
+
+
 def test_ray_workers_run_at_the_drivers_priority(cluster):
     @ray.remote(num_cpus=0)
     def niceness():

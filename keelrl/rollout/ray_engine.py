@@ -62,6 +62,8 @@ class WorkerSpec:
     rollout: RolloutConfig
     device: str = "cpu"
     torch_threads: int = 1
+    cpu_cores: tuple[int, ...] = ()
+    """Pin the worker's process to these cores (empty: no pinning)."""
 
 
 class RolloutWorker:
@@ -73,6 +75,10 @@ class RolloutWorker:
         from keelrl.policy.model import load_policy
         from keelrl.rollout.agent_loop import model_actor
 
+        if spec.cpu_cores:
+            from keelrl.policy.model import pin_to_cores
+
+            pin_to_cores(spec.cpu_cores)
         torch.set_num_threads(max(1, spec.torch_threads))
         self.model, self.tokenizer = load_policy(spec.model_path, spec.device)
         self.model.eval().requires_grad_(False)
@@ -118,6 +124,15 @@ class RolloutWorker:
     def version(self) -> int:
         return self.weights.held
 
+    def placement(self) -> dict[str, Any]:
+        """Where this worker runs: its process id, the CPU cores of each of its threads, torch's threads."""
+        import torch
+
+        tasks = os.listdir("/proc/self/task")
+        return {"pid": os.getpid(), "torch_threads": torch.get_num_threads(),
+                "thread_cores": sorted({tuple(sorted(os.sched_getaffinity(int(t)))) for t in tasks
+                                        if os.path.exists(f"/proc/self/task/{t}")})}
+
     def shutdown(self) -> None:
         self._stop.set()
         self._thread.join(timeout=30)
@@ -131,7 +146,8 @@ class RayEngine(RolloutEngine):
 
     def __init__(self, requests_for: RequestsFor, *, model_path: str, tokenizer: Any, make_env: Callable[[], Any],
                  sampling: SamplingConfig, rollout: RolloutConfig, max_staleness: int = 1, workers: int = 2,
-                 worker_cpus: float = 1.0, seed: int = 0, poll_interval: float = 0.02,
+                 worker_cpus: float = 1.0, worker_cores: tuple[int, ...] = (), seed: int = 0,
+                 poll_interval: float = 0.02,
                  worker_timeout_s: float = 600.0, ray_module: Any = None,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
         import ray
@@ -150,8 +166,9 @@ class RayEngine(RolloutEngine):
             self._started_ray = True
         self.spec = WorkerSpec(model_path=str(ensure_model_dir(model_path)), make_env=make_env, sampling=sampling,
                                rollout=rollout, torch_threads=max(1, int(worker_cpus)))
+        self.worker_cores = tuple(worker_cores)
         self._actor_class = self._ray.remote(num_cpus=worker_cpus, max_restarts=0)(RolloutWorker)
-        self.actors = [self._spawn() for _ in range(workers)]
+        self.actors = [self._spawn(slot) for slot in range(workers)]
         self.outstanding: list[dict[int, GroupRequest]] = [{} for _ in self.actors]
         self._weights: tuple[Any, int] | None = None
         self._results: dict[int, GroupResult] = {}
@@ -164,8 +181,13 @@ class RayEngine(RolloutEngine):
         self.workers_hung = 0
         self.requests_requeued = 0
 
-    def _spawn(self) -> Any:
-        return self._actor_class.remote(self.spec)
+    def _spawn(self, slot: int) -> Any:
+        """A new actor for worker `slot` (pinned to its core when worker_cores is set)."""
+        spec = self.spec
+        if self.worker_cores:
+            core = self.worker_cores[slot % len(self.worker_cores)]
+            spec = dataclasses.replace(spec, cpu_cores=(core,), torch_threads=1)
+        return self._actor_class.remote(spec)
 
     def _replace(self, slot: int) -> None:
         """Start a new actor in `slot`, give it the latest weights and the dead one's unfinished requests."""
@@ -174,7 +196,7 @@ class RayEngine(RolloutEngine):
         except Exception:  # already gone: the usual reason to replace it
             pass
         self._polls.pop(slot, None)
-        self.actors[slot] = self._spawn()
+        self.actors[slot] = self._spawn(slot)
         self.workers_replaced += 1
         if self._weights is not None:
             self.actors[slot].set_weights.remote(*self._weights)
