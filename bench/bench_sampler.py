@@ -40,10 +40,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
-import resource
 import statistics
 import sys
 import time
@@ -52,14 +50,15 @@ from typing import Any, Callable
 
 import torch
 
+from bench.common import NOISY, Clock, Ratio, Section, wait_quiet, write_section
 from keelrl.envs.coding_tasks import bundled_tasks
 from keelrl.policy import sampling
-from keelrl.policy.model import load_policy
+from keelrl.policy.model import cpu_has_amx_bf16, load_policy
 from keelrl.policy.sampling import SamplingConfig, draw_uniforms, end_token_ids, sample
 
 ENGINES = ("keelrl", "hf")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-OUT = Path(__file__).resolve().parent / "out" / "sampler.json"
+OUT = Path(__file__).resolve().parent / "out" / "sampler"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,7 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="prompt length per row, about (chat template included)")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per row, exactly")
     parser.add_argument("--reps", type=int, default=3, help="timed calls per (batch, dtype, engine), after one warm-up")
-    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES), help="weight dtypes")
+    parser.add_argument("--dtypes", nargs="+", default=None, choices=list(DTYPES),
+                        help="weight dtypes (default: float32, and bfloat16 on a CPU with AMX)")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature for both engines")
     parser.add_argument("--warmup-tokens", type=int, default=8,
                         help="new tokens in the warm-up call (same batch and prompts; 0: as many as timed calls)")
@@ -79,11 +79,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--wait-quiet", type=float, default=30.0,
                         help="before each timed call wait up to this many seconds for a 1 s window in which other "
                              "processes use under 10%% of the CPUs (0: never wait)")
-    parser.add_argument("--out", type=Path, default=OUT, help="where the JSON report goes")
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, batch 4, 48 + 16 tokens, 1 rep")
+    parser.add_argument("--group", type=int, nargs="+", default=[1, 4],
+                        help="rows sharing one prompt (1: every row its own prompt; 4: GRPO groups of 4)")
+    parser.add_argument("--turns", type=int, default=3,
+                        help="multi-turn run: turns per row, each continuing the whole history (0: none)")
+    parser.add_argument("--observation-tokens", type=int, default=48, help="multi-turn: tokens appended per turn")
+    parser.add_argument("--out", type=Path, default=OUT, help="directory for sampler.json and section.json")
+    parser.add_argument("--quick", "--smoke", dest="quick", action="store_true",
+                        help="smoke run: tiny model, batch 4, 48 + 16 tokens, 1 rep")
     args = parser.parse_args(argv)
+    if args.dtypes is None:  # bf16 only where it is fast: AMX or a GPU (on AVX2 it decodes several-fold slower)
+        args.dtypes = ["float32", "bfloat16"] if cpu_has_amx_bf16() else ["float32"]
     if args.quick:
         args.model, args.batch, args.prompt_tokens, args.new_tokens, args.reps = "tiny", [4], 48, 16, 1
+        args.group, args.turns, args.observation_tokens, args.dtypes = [1, 2], 2, 8, ["float32", "bfloat16"]
+    if any(batch % group for batch in args.batch for group in args.group):
+        parser.error(f"every --batch must be a multiple of every --group, got {args.batch} and {args.group}")
     if args.reps < 1 or args.new_tokens < 1 or args.prompt_tokens < 8 or min(args.batch) < 1:
         parser.error("--reps, --new-tokens and --batch must be >= 1, --prompt-tokens >= 8")
     return args
@@ -181,47 +192,12 @@ CALLS: dict[str, Callable[..., int]] = {"keelrl": keelrl_call, "hf": hf_call}
 
 
 # --------------------------------------------------------------------------- measuring
-def _clock() -> tuple[float, float, float]:
-    """(wall s, CPU s of this process, busy CPU s of the whole machine from /proc/stat; NaN without it)."""
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    try:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # less idle and iowait
-    except (OSError, ValueError, IndexError):
-        busy = math.nan
-    return time.perf_counter(), own.ru_utime + own.ru_stime, busy
-
-
-NOISY = 0.10
-"""A call during which other processes used more than this share of the CPUs is flagged noisy."""
-
-
-def other_share(start: tuple[float, float, float]) -> float:
-    """Share of all CPUs that other processes used since `start` (NaN without /proc/stat)."""
-    wall, own, busy = (now - then for now, then in zip(_clock(), start))
-    return (busy - own) / (wall * (os.cpu_count() or 1))
-
-
-def wait_quiet(limit_s: float) -> float:
-    """Wait up to `limit_s` for a 1 s window with other processes under NOISY; returns the seconds waited."""
-    started = time.perf_counter()
-    while time.perf_counter() - started < limit_s:
-        start = _clock()
-        time.sleep(1.0)
-        if not other_share(start) >= NOISY:  # NaN (no /proc/stat) counts as quiet
-            break
-    return time.perf_counter() - started
-
-
 def timed_call(call: Callable[..., int], timer: ProcessorTimer, *args: Any) -> dict[str, Any]:
-    cpus = os.cpu_count() or 1
     timer.seconds = 0.0
-    start = _clock()
+    clock = Clock()
     tokens = call(*args)
-    wall, own, busy = (now - then for now, then in zip(_clock(), start))
-    other = (busy - own) / (wall * cpus)
-    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "processor_s": timer.seconds,
-            "own_cpu_share": own / (wall * cpus), "other_cpu_share": other, "noisy": other > NOISY}
+    reading = clock.read()
+    return {**reading, "tokens": tokens, "tokens_per_s": tokens / reading["wall_s"], "processor_s": timer.seconds}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -234,8 +210,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         models[name].eval()
     pairs = [(dtype, engine) for dtype in args.dtypes for engine in ENGINES]
     configs = []
-    for batch in args.batch:
-        contexts = build_prompts(tokenizer, batch, args.prompt_tokens)
+    for batch, group in [(b, g) for b in args.batch for g in args.group]:
+        contexts = [ids for ids in build_prompts(tokenizer, batch // group, args.prompt_tokens) for _ in range(group)]
         common = (tokenizer, contexts)
         calls: dict[tuple[str, str], list[dict[str, Any]]] = {pair: [] for pair in pairs}
         warmups = {}
@@ -243,7 +219,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             warm = timed_call(CALLS[engine], timer, models[dtype], *common, args.warmup_tokens or args.new_tokens,
                               args.temperature, 10_000)
             warmups[f"{dtype}/{engine}"] = warm
-            print(f"batch {batch} {dtype:<8} {engine:<6} warm-up {warm['wall_s']:7.2f} s", flush=True)
+            print(f"batch {batch} group {group} {dtype:<8} {engine:<6} warm-up {warm['wall_s']:7.2f} s", flush=True)
         for rep in range(args.reps):
             for dtype, engine in pairs if rep % 2 == 0 else pairs[::-1]:
                 waited = wait_quiet(args.wait_quiet)
@@ -254,12 +230,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     raise RuntimeError(f"{engine} {dtype} generated {result['tokens']} tokens, "
                                        f"not {batch} x {args.new_tokens}")
                 calls[dtype, engine].append(result)
-                print(f"batch {batch} {dtype:<8} {engine:<6} rep {rep} {result['wall_s']:7.2f} s "
+                print(f"batch {batch} group {group} {dtype:<8} {engine:<6} rep {rep} {result['wall_s']:7.2f} s "
                       f"{result['tokens_per_s']:7.1f} tok/s  other processes {result['other_cpu_share']:.0%}"
                       f"{'  NOISY' if result['noisy'] else ''}",
                       flush=True)
         for dtype in args.dtypes:
-            row: dict[str, Any] = {"batch": batch, "dtype": dtype,
+            row: dict[str, Any] = {"batch": batch, "group": group, "dtype": dtype,
                                    "warmups": {e: warmups[f"{dtype}/{e}"] for e in ENGINES},
                                    "prompt_tokens": [len(ids) for ids in contexts], "new_tokens": args.new_tokens}
             for engine in ENGINES:
@@ -274,8 +250,69 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for engine in ENGINES:
                 bf16_over_fp32 = paired_ratio("bf16_over_fp32_wall", calls["bfloat16", engine],
                                               calls["float32", engine])
-                configs.append({"batch": batch, "engine": engine, **bf16_over_fp32})
-    return {"configs": configs}
+                configs.append({"batch": batch, "group": group, "engine": engine, **bf16_over_fp32})
+    multi = multi_turn(args, models[args.dtypes[0]], tokenizer) if args.turns > 1 else None
+    return {"configs": configs, "multi_turn": multi}
+
+
+def multi_turn(args: argparse.Namespace, model: Any, tokenizer: Any) -> dict[str, Any]:
+    """`--turns` turns on GRPO groups: each turn continues every row's whole history (its context,
+    its actions, an observation after each), by keelrl's sampler and by HF generate, interleaved
+    over `--reps`. Both prefill the history anew each turn; the tokens they recompute are counted
+    (keelrl prefills a context once for the rows that share it, which after the first turn no
+    two rows do)."""
+    batch, group = args.batch[0], max(args.group)
+    prompts = [ids for ids in build_prompts(tokenizer, batch // group, args.prompt_tokens) for _ in range(group)]
+    line = tokenizer("FAILED test_retry.py::test_retry_count - AssertionError: expected 3, got 2\n",
+                     add_special_tokens=False)["input_ids"]
+    observation = (line * (args.observation_tokens // len(line) + 1))[:args.observation_tokens]
+    results: dict[str, list[dict[str, Any]]] = {engine: [] for engine in ENGINES}
+    for rep in range(args.reps):
+        for engine in ENGINES if rep % 2 == 0 else ENGINES[::-1]:
+            contexts = [list(ids) for ids in prompts]
+            recomputed, tokens = [], 0
+            clock = Clock()
+            for turn in range(args.turns):
+                distinct = {tuple(ids) for ids in contexts} if engine == "keelrl" else None
+                recomputed.append(sum(len(ids) for ids in distinct) if distinct is not None
+                                  else sum(len(ids) for ids in contexts))
+                new = TURN_CALLS[engine](model, tokenizer, contexts, args.new_tokens, args.temperature,
+                                         rep * 100 + turn)
+                tokens += sum(len(ids) for ids in new)
+                contexts = [ids + step + observation for ids, step in zip(contexts, new)]
+            reading = clock.read()
+            if tokens != batch * args.turns * args.new_tokens:
+                raise RuntimeError(f"{engine} multi-turn generated {tokens} tokens, not {batch} x {args.turns} x "
+                                   f"{args.new_tokens}")
+            results[engine].append({"wall_s": reading["wall_s"], "tokens": tokens, "recomputed_per_turn": recomputed,
+                                    "noisy": reading["noisy"], "other_cpu_share": reading["other_cpu_share"]})
+            print(f"multi-turn {engine:<6} rep {rep} {reading['wall_s']:7.2f} s; prefilled per turn {recomputed}",
+                  flush=True)
+    return {"batch": batch, "group": group, "turns": args.turns, "observation_tokens": len(observation),
+            "new_tokens": args.new_tokens, **results,
+            **paired_ratio("keelrl_over_hf_wall", results["keelrl"], results["hf"])}
+
+
+def keelrl_turn(model: Any, tokenizer: Any, contexts: list[list[int]], new_tokens: int, temperature: float,
+                seed: int) -> list[list[int]]:
+    model.generation_config.min_new_tokens = new_tokens
+    uniforms = draw_uniforms(torch.Generator().manual_seed(seed), len(contexts) * new_tokens).view(len(contexts), -1)
+    cfg = SamplingConfig(temperature=temperature, top_p=1.0, max_new_tokens=new_tokens, stop=())
+    return [s.token_ids for s in sample(model, tokenizer, contexts, cfg, uniforms=uniforms)]
+
+
+def hf_turn(model: Any, tokenizer: Any, contexts: list[list[int]], new_tokens: int, temperature: float,
+            seed: int) -> list[list[int]]:
+    model.generation_config.min_new_tokens = None
+    input_ids, attention = left_pad(contexts, tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    out = model.generate(input_ids=input_ids, attention_mask=attention, do_sample=True, temperature=temperature,
+                         top_p=1.0, top_k=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=list(end_token_ids(tokenizer)))
+    return [row[:new_tokens] for row in out[:, input_ids.shape[1]:].tolist()]
+
+
+TURN_CALLS: dict[str, Callable[..., list[list[int]]]] = {"keelrl": keelrl_turn, "hf": hf_turn}
 
 
 def paired_ratio(name: str, top: list[dict[str, Any]], bottom: list[dict[str, Any]]) -> dict[str, Any]:
@@ -293,7 +330,8 @@ def main(argv: list[str] | None = None) -> None:
     report = run(args)
     report.update({
         "setup": {"model": args.model, "batch": args.batch, "prompt_tokens": args.prompt_tokens,
-                  "new_tokens": args.new_tokens, "reps": args.reps, "dtypes": args.dtypes,
+                  "new_tokens": args.new_tokens, "reps": args.reps, "dtypes": args.dtypes, "group": args.group,
+                  "turns": args.turns,
                   "temperature": args.temperature, "warmup_tokens": args.warmup_tokens, "quick": args.quick,
                   "wait_quiet": args.wait_quiet, "noisy_above": NOISY},
         "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "cpus": os.cpu_count(),
@@ -305,9 +343,37 @@ def main(argv: list[str] | None = None) -> None:
     })
     print()
     print(table(report))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "sampler.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_section(args.out, section(report, args))
+    print(f"wrote {args.out / 'sampler.json'} and section.json")
+
+
+def section(report: dict[str, Any], args: argparse.Namespace) -> Section:
+    """The benchmark's part of BENCHMARKS.md: the table, and keelrl's speed-up over HF generate."""
+    ratios = []
+    for row in report["configs"]:
+        if "dtype" in row:
+            per_rep = row["keelrl_over_hf_wall_per_rep"]
+            ratios.append(Ratio(f"sampler speed-up over HF generate, {row['dtype']}, batch {row['batch']}, "
+                                f"{row['group']} row(s) per prompt", 1 / row["keelrl_over_hf_wall"], 1.5,
+                                detail="HF wall / keelrl wall, median of per-rep ratios: " +
+                                       ", ".join(f"{1 / r:.2f}" for r in per_rep)))
+    multi = report.get("multi_turn")
+    lines = [table(report)]
+    if multi:
+        ratios.append(Ratio(f"sampler speed-up over HF generate, {multi['turns']} turns of continuation",
+                            1 / multi["keelrl_over_hf_wall"], 1.5,
+                            detail="HF wall / keelrl wall over whole multi-turn runs"))
+        keel, hf = multi["keelrl"][0]["recomputed_per_turn"], multi["hf"][0]["recomputed_per_turn"]
+        lines += ["", f"Multi-turn continuation: batch {multi['batch']} in groups of {multi['group']}, {multi['turns']} "
+                  f"turns of {multi['new_tokens']} tokens, {multi['observation_tokens']} observation tokens appended "
+                  f"after each; keelrl/HF wall {multi['keelrl_over_hf_wall']:.2f}x.",
+                  f"Prompt and history tokens prefilled (recomputed) per turn: keelrl {keel}, HF {hf}. Neither keeps "
+                  "a live KV cache across turns: each turn re-prefills the whole history (keelrl shares a prefill "
+                  "only between identical contexts, a group's first turn)."]
+    return Section(name="sampler", title="Sampler against HF generate", markdown="\n".join(lines), ratios=ratios,
+                   smoke=args.quick, seconds=report["total_s"], data=report)
 
 
 def table(report: dict[str, Any]) -> str:
@@ -318,21 +384,21 @@ def table(report: dict[str, Any]) -> str:
         return (f"{row[name]:.2f}x (quiet reps: {'-' if quiet is None else f'{quiet:.2f}x'}, "
                 f"{row[f'{name}_quiet_reps']} of {len(row[f'{name}_per_rep'])}; per rep {per_rep})")
 
-    lines = ["| batch | dtype | keelrl s/call | HF s/call | keelrl tok/s | HF tok/s | keelrl processor s "
+    lines = ["| batch | rows per prompt | dtype | keelrl s/call | HF s/call | keelrl tok/s | HF tok/s | keelrl processor s "
              "| noisy calls | keelrl/HF wall, median of per-rep ratios |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in report["configs"]:
         if "dtype" in row:
             keel, hf = row["keelrl"], row["hf"]
             noisy = sum(c["noisy"] for c in keel["calls"] + hf["calls"])
-            lines.append(f"| {row['batch']} | {row['dtype']} | {keel['median_wall_s']:.2f} | {hf['median_wall_s']:.2f} "
+            lines.append(f"| {row['batch']} | {row['group']} | {row['dtype']} | {keel['median_wall_s']:.2f} | {hf['median_wall_s']:.2f} "
                          f"| {keel['median_tokens_per_s']:.1f} | {hf['median_tokens_per_s']:.1f} "
                          f"| {keel['median_processor_s']:.2f} | {noisy} of {len(keel['calls']) * 2} "
                          f"| {ratio(row, 'keelrl_over_hf_wall')} |")
     lines.append("")
     for row in report["configs"]:
         if "engine" in row:
-            lines.append(f"- batch {row['batch']}, {row['engine']}: bf16/fp32 wall {ratio(row, 'bf16_over_fp32_wall')}")
+            lines.append(f"- batch {row['batch']}, group {row['group']}, {row['engine']}: bf16/fp32 wall {ratio(row, 'bf16_over_fp32_wall')}")
     lines.append(f"- load average (1 min) before {report['loadavg_before'][0]:.2f}, after "
                  f"{report['loadavg_after'][0]:.2f}; {report['torch_threads']} torch threads, {report['cpus']} CPUs; "
                  f"total {report['total_s']:.0f} s")

@@ -1,0 +1,1 @@
+"""keelrl benchmarks: `python -m bench` runs them all and writes BENCHMARKS.md (see bench/__main__.py)."""
