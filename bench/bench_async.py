@@ -183,7 +183,7 @@ def summarise(results: dict[float, dict[str, Any]], args: argparse.Namespace, se
     cross = crossover(latencies, speedups)
     lines += ["", "Crossover (async starts to win): " + ("not reached at the latencies measured" if cross is None
                                                         else f"about {cross:.2f} s median tool latency"), ""]
-    png = plot_curve(latencies, speedups, args.out)
+    png = plot_curve(latencies, speedups, args.out if args.smoke else ROOT / "docs" / "figures", args.smoke)
     if png is not None:
         lines.append(f"![speed-up against tool latency]({png.relative_to(ROOT) if png.is_relative_to(ROOT) else png})")
     headline = speedups[latencies.index(args.headline)]
@@ -196,7 +196,8 @@ def summarise(results: dict[float, dict[str, Any]], args: argparse.Namespace, se
                          "settings": {k: v for k, v in vars(args).items() if k != "out"}})
 
 
-def plot_curve(latencies: list[float], speedups: list[float], out: Path) -> Path | None:
+def plot_curve(latencies: list[float], speedups: list[float], out: Path, smoke: bool) -> Path | None:
+    """The speed-up against latency as a PNG: in the output directory for a smoke run, else in docs/figures/."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -211,7 +212,7 @@ def plot_curve(latencies: list[float], speedups: list[float], out: Path) -> Path
     ax.set_ylabel("speed-up of async")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path = out / "async_curve.png"
+    path = out / ("async_curve.png" if smoke else "bench_async.png")
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
