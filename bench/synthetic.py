@@ -9,8 +9,8 @@ their logic, on a workload that takes no sandbox:
   K-th turn, then the episode ends and `reward_of` scores the actions' text, a pure function
   of it (the share of letters and spaces), so groups have a spread and the loss a gradient;
   each call first waits as long as a tool would (`ToolLatency`: none unless asked);
-- every action is exactly `completion_tokens` long: no stop strings, and the model's
-  `generation_config.min_new_tokens` holds end tokens back until then;
+- every action is exactly `completion_tokens` long: no stop strings, and `min_new_tokens`
+  holds end tokens back until then (in every rollout process: Ray workers load their own model);
 - evaluation and checkpoints are switched off (they are not part of a step).
 
 Everything else is the configured library: `overrides` reach `load_config` as they would from
@@ -177,8 +177,9 @@ def synthetic_trainer(overrides: Sequence[str], texts: Sequence[str], *, observa
             return [GroupRequest(index=first + i, task=PromptTask(f"p{first + i}", texts[(first + i) % len(texts)]),
                                  group_size=group, seed=step * 1009 + i, group_id=i) for i in range(prompts)]
 
-        def rollout_sampling(self) -> SamplingConfig:  # no stop strings: every action runs to max_new_tokens
-            return SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens, stop=())
+        def rollout_sampling(self) -> SamplingConfig:  # no stop strings, no early end: exactly max_new_tokens
+            return SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens, stop=(),
+                                  min_new_tokens=r.max_new_tokens, keep_kv=r.keep_kv)
 
         def evaluate(self, tasks: Any = None) -> dict[str, float]:
             return {}
@@ -186,9 +187,7 @@ def synthetic_trainer(overrides: Sequence[str], texts: Sequence[str], *, observa
         def save_checkpoint(self) -> Path:
             return self.run_dir
 
-    trainer = SyntheticTrainer(cfg, progress=progress)
-    trainer.model.generation_config.min_new_tokens = r.max_new_tokens
-    return trainer
+    return SyntheticTrainer(cfg, progress=progress)
 
 
 def run_synthetic(overrides: Sequence[str], texts: Sequence[str], *, observation: str = "",

@@ -61,8 +61,12 @@ def model_actor(model: Any, tokenizer: Any, sampling: SamplingConfig) -> ActFn:
                              f"{reserved} tokens the rollout reserves for an action (RolloutConfig."
                              f"max_new_tokens): an action could overflow max_context_tokens")
         uniforms = torch.stack([draw_uniforms(episode.generator, sampling.max_new_tokens) for episode in active])
+        caches = [episode.kv for episode in active] if sampling.keep_kv else None
         samples = sample(model, tokenizer, [episode.trajectory.token_ids for episode in active], sampling,
-                         uniforms=uniforms)
+                         uniforms=uniforms, caches=caches)
+        for episode, s in zip(active, samples):
+            episode.kv = s.cache
+            episode.recomputed += s.recomputed
         return [(s.token_ids, s.logprobs, s.text) for s in samples]
 
     return act

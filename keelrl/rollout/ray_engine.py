@@ -243,6 +243,7 @@ class RayEngine(RolloutEngine):
                 totals.idle_s += stats.idle_s
                 totals.in_flight_max = max(totals.in_flight_max, stats.in_flight_max)
                 totals.admitted += stats.admitted
+                totals.prefill_tokens += stats.prefill_tokens
             now = self._clock()
             for slot, (_, sent) in list(self._polls.items()):
                 if now - sent > self.worker_timeout_s:  # alive to Ray but silent this long: hung
@@ -263,6 +264,7 @@ class RayEngine(RolloutEngine):
         metrics.update({"time/rollout_generate_s": totals.generate_s, "time/rollout_idle_s": totals.idle_s,
                         "engine/in_flight_max": float(totals.in_flight_max),
                         "engine/groups_admitted": float(totals.admitted),
+                        "engine/prefill_tokens": float(totals.prefill_tokens),
                         "engine/workers": float(len(self.actors)),
                         "engine/workers_replaced": float(self.workers_replaced),
                         "engine/workers_hung": float(self.workers_hung),

@@ -132,6 +132,12 @@ class Episode:
     """With label_steps: the hidden checks passed before the first turn, then after each turn."""
     acting: list[bool] = field(default_factory=list)
     """With label_steps: whether each turn could change the code (it gets a label)."""
+    kv: Any = None
+    """With SamplingConfig.keep_kv: the episode's keys and values after its last turn (a RowCache),
+    valid while the weights are those of `kv_version`."""
+    kv_version: int = -1
+    recomputed: int = 0
+    """Context tokens the sampler ran for this episode (prefills), over all its turns."""
 
     @property
     def task(self) -> Any:
@@ -155,6 +161,8 @@ class SchedulerStats:
     batches: int = 0
     tokens_by_version: dict[int, int] = field(default_factory=dict)
     admitted: int = 0
+    prefill_tokens: int = 0
+    """Context tokens the sampler ran (prefills; with keep_kv only what no cache covered)."""
 
 
 class WeightSlot:
@@ -375,6 +383,7 @@ class EpisodeScheduler:
         trajectory.seconds = {"total": time.monotonic() - episode.started, **episode.seconds}
         if hasattr(episode.env, "close"):
             episode.env.close()
+        episode.kv = None  # the episode is over: its keys and values are not needed again
         index = episode.request.index
         done = self._done.setdefault(index, [])
         done.append(episode)
@@ -388,8 +397,15 @@ class EpisodeScheduler:
         if self.cfg.interruptible:
             self.version = self.refresh()
         batch, self._ready = self._ready, []
+        for episode in batch:  # keys and values made under other weights are not this policy's
+            if episode.kv is not None and episode.kv_version != self.version:
+                episode.kv = None
+        before = sum(episode.recomputed for episode in batch)
         tick = time.monotonic()
         actions = self.act(batch)
+        self.stats.prefill_tokens += sum(episode.recomputed for episode in batch) - before
+        for episode in batch:
+            episode.kv_version = self.version
         seconds = time.monotonic() - tick
         self.stats.generate_s += seconds
         self.stats.batches += 1

@@ -461,7 +461,8 @@ class Trainer:
     def rollout_sampling(self) -> SamplingConfig:
         """How training rollouts sample actions (override for other stop strings, as bench/ does)."""
         r = self.cfg.rollout
-        return SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
+        return SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                              keep_kv=r.keep_kv)
 
     def make_engine(self, last_step: int | None = None) -> RolloutEngine:
         """The configured rollout engine over this trainer's policy and training environment; it
@@ -543,7 +544,7 @@ class Trainer:
         """Held-out success with the strong verifier, one attempt per task."""
         tasks = list(tasks if tasks is not None else self.heldout_tasks[: self.cfg.train.eval_tasks])
         sampling = SamplingConfig(temperature=self.cfg.train.eval_temperature, top_p=1.0,
-                                  max_new_tokens=self.cfg.rollout.max_new_tokens)
+                                  max_new_tokens=self.cfg.rollout.max_new_tokens, keep_kv=self.cfg.rollout.keep_kv)
         self.model.eval()
         trajectories = run_episodes(self._env(training=False), tasks, self.tokenizer,
                                     model_actor(self._eval_model(), self.tokenizer, sampling),
