@@ -258,9 +258,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def multi_turn(args: argparse.Namespace, model: Any, tokenizer: Any) -> dict[str, Any]:
     """`--turns` turns on GRPO groups: each turn continues every row's whole history (its context,
     its actions, an observation after each), by keelrl's sampler and by HF generate, interleaved
-    over `--reps`. Both prefill the history anew each turn; the tokens they recompute are counted
-    (keelrl prefills a context once for the rows that share it, which after the first turn no
-    two rows do)."""
+    over `--reps`. HF prefills the whole history anew each turn; keelrl keeps each row's keys and
+    values between turns (`SamplingConfig.keep_kv`) and runs only the new tokens. The tokens
+    each prefills (recomputes) per turn are counted: keelrl's from its own `Sample.recomputed`."""
     batch, group = args.batch[0], max(args.group)
     prompts = [ids for ids in build_prompts(tokenizer, batch // group, args.prompt_tokens) for _ in range(group)]
     line = tokenizer("FAILED test_retry.py::test_retry_count - AssertionError: expected 3, got 2\n",
@@ -270,14 +270,13 @@ def multi_turn(args: argparse.Namespace, model: Any, tokenizer: Any) -> dict[str
     for rep in range(args.reps):
         for engine in ENGINES if rep % 2 == 0 else ENGINES[::-1]:
             contexts = [list(ids) for ids in prompts]
+            caches: list[Any] = [None] * len(contexts)
             recomputed, tokens = [], 0
             clock = Clock()
             for turn in range(args.turns):
-                distinct = {tuple(ids) for ids in contexts} if engine == "keelrl" else None
-                recomputed.append(sum(len(ids) for ids in distinct) if distinct is not None
-                                  else sum(len(ids) for ids in contexts))
-                new = TURN_CALLS[engine](model, tokenizer, contexts, args.new_tokens, args.temperature,
-                                         rep * 100 + turn)
+                new, caches, prefilled = TURN_CALLS[engine](model, tokenizer, contexts, args.new_tokens,
+                                                            args.temperature, rep * 100 + turn, caches)
+                recomputed.append(prefilled)
                 tokens += sum(len(ids) for ids in new)
                 contexts = [ids + step + observation for ids, step in zip(contexts, new)]
             reading = clock.read()
@@ -294,25 +293,29 @@ def multi_turn(args: argparse.Namespace, model: Any, tokenizer: Any) -> dict[str
 
 
 def keelrl_turn(model: Any, tokenizer: Any, contexts: list[list[int]], new_tokens: int, temperature: float,
-                seed: int) -> list[list[int]]:
+                seed: int, caches: list[Any]) -> tuple[list[list[int]], list[Any], int]:
+    """One turn by keelrl's sampler, keeping keys and values: (actions, caches, tokens prefilled)."""
     model.generation_config.min_new_tokens = new_tokens
     uniforms = draw_uniforms(torch.Generator().manual_seed(seed), len(contexts) * new_tokens).view(len(contexts), -1)
-    cfg = SamplingConfig(temperature=temperature, top_p=1.0, max_new_tokens=new_tokens, stop=())
-    return [s.token_ids for s in sample(model, tokenizer, contexts, cfg, uniforms=uniforms)]
+    cfg = SamplingConfig(temperature=temperature, top_p=1.0, max_new_tokens=new_tokens, stop=(), keep_kv=True)
+    samples = sample(model, tokenizer, contexts, cfg, uniforms=uniforms, caches=caches)
+    return [s.token_ids for s in samples], [s.cache for s in samples], sum(s.recomputed for s in samples)
 
 
 def hf_turn(model: Any, tokenizer: Any, contexts: list[list[int]], new_tokens: int, temperature: float,
-            seed: int) -> list[list[int]]:
+            seed: int, caches: list[Any]) -> tuple[list[list[int]], list[Any], int]:
+    """One turn by plain HF generate on the whole history: (actions, no caches, tokens prefilled)."""
     model.generation_config.min_new_tokens = None
     input_ids, attention = left_pad(contexts, tokenizer.pad_token_id)
     torch.manual_seed(seed)
     out = model.generate(input_ids=input_ids, attention_mask=attention, do_sample=True, temperature=temperature,
                          top_p=1.0, top_k=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=list(end_token_ids(tokenizer)))
-    return [row[:new_tokens] for row in out[:, input_ids.shape[1]:].tolist()]
+    return ([row[:new_tokens] for row in out[:, input_ids.shape[1]:].tolist()], caches,
+            sum(len(ids) for ids in contexts))
 
 
-TURN_CALLS: dict[str, Callable[..., list[list[int]]]] = {"keelrl": keelrl_turn, "hf": hf_turn}
+TURN_CALLS: dict[str, Callable[..., tuple[list[list[int]], list[Any], int]]] = {"keelrl": keelrl_turn, "hf": hf_turn}
 
 
 def paired_ratio(name: str, top: list[dict[str, Any]], bottom: list[dict[str, Any]]) -> dict[str, Any]:
@@ -369,9 +372,9 @@ def section(report: dict[str, Any], args: argparse.Namespace) -> Section:
         lines += ["", f"Multi-turn continuation: batch {multi['batch']} in groups of {multi['group']}, {multi['turns']} "
                   f"turns of {multi['new_tokens']} tokens, {multi['observation_tokens']} observation tokens appended "
                   f"after each; keelrl/HF wall {multi['keelrl_over_hf_wall']:.2f}x.",
-                  f"Prompt and history tokens prefilled (recomputed) per turn: keelrl {keel}, HF {hf}. Neither keeps "
-                  "a live KV cache across turns: each turn re-prefills the whole history (keelrl shares a prefill "
-                  "only between identical contexts, a group's first turn)."]
+                  f"Prompt and history tokens prefilled (recomputed) per turn: keelrl {keel}, HF {hf}. keelrl "
+                  "keeps each row's keys and values between turns (`rollout.keep_kv`) and runs only the last "
+                  "action token and the observation; HF `generate` re-prefills the whole history each turn."]
     return Section(name="sampler", title="Sampler against HF generate", markdown="\n".join(lines), ratios=ratios,
                    smoke=args.quick, seconds=report["total_s"], data=report)
 

@@ -82,9 +82,10 @@ def test_sampler_smoke_counts_the_history_each_turn_recomputes(smoke):
     grown = multi["new_tokens"] + multi["observation_tokens"]  # each row's history grows by this a turn
     hf, keel = multi["hf"][0]["recomputed_per_turn"], multi["keelrl"][0]["recomputed_per_turn"]
     assert len(hf) == len(keel) == turns
-    assert [b - a for a, b in zip(hf, hf[1:])] == [batch * grown] * (turns - 1)
-    assert keel[0] * group == hf[0]  # the first turn: one prefill per distinct prompt
-    assert keel[1:] == hf[1:]  # then no two rows share a history
+    assert [b - a for a, b in zip(hf, hf[1:])] == [batch * grown] * (turns - 1)  # HF: the whole history again
+    prompt = hf[0] // batch  # the smoke prompts all have one length
+    assert keel[0] == (batch // group) * prompt + (batch - batch // group)  # one prefill a group, a token a row
+    assert keel[1:] == [batch * (1 + multi["observation_tokens"])] * (turns - 1)  # kept keys: only new tokens
     assert all(r["tokens"] == batch * turns * multi["new_tokens"] for r in multi["keelrl"] + multi["hf"])
     assert {(row["group"], row["dtype"]) for row in data["configs"] if "dtype" in row} == {
         (1, "float32"), (1, "bfloat16"), (2, "float32"), (2, "bfloat16")}
