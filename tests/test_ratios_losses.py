@@ -1055,3 +1055,48 @@ def test_checkpointed_entropy_gradient_equals_the_plain_one():
     (plain_grad,) = torch.autograd.grad((plain * torch.arange(7)).sum(), logits)
     torch.testing.assert_close(chunked, plain.detach(), **TIGHT)
     torch.testing.assert_close(chunked_grad, plain_grad, **TIGHT)
+
+
+def test_kl_is_weight_weights_each_kl_term_by_the_truncated_ratio_to_the_behaviour_policy():
+    """kl_is_weight: loss = PPO + coef x token_mean(min(pi/mu, cap) x k3), the weight detached;
+    against a float64 loop, value and gradient. On samples from mu = ref after pi fell on them,
+    unweighted k3 explodes and the weighted one stays at most 1."""
+    from keelrl.algos.ratios import token_log_ratio
+
+    for seed, (batch, length) in enumerate(SHAPES):
+        logp, ref_logp, old_logp, mask = random_batch(700 + seed, batch, length)
+        advantages = torch.randn(batch, length, dtype=F64, generator=torch.Generator().manual_seed(seed))
+        plain = make_cfg(kl_coef=0.1, kl_estimator="k3")
+        weighted = make_cfg(kl_coef=0.1, kl_estimator="k3", kl_is_weight=True, behaviour_weight_cap=2.0)
+        leaf = logp.clone().requires_grad_(True)
+        base, _ = policy_objective(logp=leaf, old_logp=old_logp, advantages=advantages, mask=mask, cfg=plain,
+                                   ref_logp=ref_logp)
+        base_grad = torch.autograd.grad(base, leaf)[0]
+        leaf = logp.clone().requires_grad_(True)
+        got, metrics = policy_objective(logp=leaf, old_logp=old_logp, advantages=advantages, mask=mask, cfg=weighted,
+                                        ref_logp=ref_logp)
+        got_grad = torch.autograd.grad(got, leaf)[0]
+        tokens = int(mask.sum())
+        kl_plain = kl_weighted = 0.0
+        grad_shift = torch.zeros(batch, length, dtype=F64)
+        for b, t in itertools.product(range(batch), range(length)):
+            if not mask[b, t]:
+                continue
+            value, slope = ref.kl_estimate("k3", logp[b, t].item(), ref_logp[b, t].item())
+            w = min(math.exp(logp[b, t].item() - old_logp[b, t].item()), 2.0)
+            kl_plain += value / tokens
+            kl_weighted += w * value / tokens
+            grad_shift[b, t] = 0.1 * (w - 1.0) * slope / tokens  # the weight is a constant in the gradient
+        assert got.item() == pytest.approx(base.item() + 0.1 * (kl_weighted - kl_plain), abs=1e-12)
+        assert metrics["policy/kl_ref_weighted"].item() == pytest.approx(kl_weighted, abs=1e-12)
+        torch.testing.assert_close(got_grad, base_grad + grad_shift, **TIGHT)
+    # mu = ref, and pi fell to e^-8 of it on every sampled token: k3 ~ e^8, weighted k3 <= 1
+    ref_logp = t64([[math.log(0.5), math.log(0.3)]])
+    logp = ref_logp - 8.0
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    cfg = make_cfg(kl_coef=1.0, kl_estimator="k3", kl_is_weight=True)
+    _, metrics = policy_objective(logp=logp, old_logp=ref_logp, advantages=torch.zeros(1, 2, dtype=F64), mask=mask,
+                                  cfg=cfg, ref_logp=ref_logp)
+    assert metrics["policy/kl_ref"].item() == pytest.approx(math.expm1(8.0) - 8.0)
+    assert 0 < metrics["policy/kl_ref_weighted"].item() <= 1.0
+    assert token_log_ratio(logp, ref_logp, mask).max().item() == pytest.approx(-8.0)

@@ -69,6 +69,12 @@ class AlgoConfig:
     """Estimator of KL(pi || ref) from sampled tokens."""
     kl_in_reward: bool = FROM_PRESET
     """Apply KL as a per-token reward penalty (PPO/RLHF) instead of a loss term (GRPO)."""
+    kl_is_weight: bool = FROM_PRESET
+    """Weight each token's KL loss term by pi / mu (detached, truncated at behaviour_weight_cap):
+    the estimators assume samples from pi, and on stale samples k3 = ref/pi - 1 - log(ref/pi)
+    explodes where the update lowered pi (SmolLM2, async, one step after the weights moved:
+    kl_ref 173 against 0.005 in sync, gradient norm 2434 against 1, held-out success 0.30 ->
+    0.06). With samples from mu = ref the weighted k3 is at most 1. Fresh data: weight 1."""
     entropy_coef: float = FROM_PRESET
     """Weight alpha of the entropy bonus (0 = off)."""
     value_clip: float | None = FROM_PRESET

@@ -339,6 +339,7 @@ def policy_objective(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask
         raise ValueError(f"cfg.kl_coef={cfg.kl_coef} puts a KL term in the loss, but ref_logp is None; "
                          f"pass the reference model's log-probs or set kl_coef=0")
     weight_metrics: Metrics = {}
+    behaviour_logp = old_logp
     if cfg.decoupled:
         if prox_logp is None:
             raise ValueError("cfg.decoupled needs prox_logp: the proximal policy's log-probs of the batch")
@@ -356,6 +357,11 @@ def policy_objective(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask
         kl = kl_penalty(logp, ref_logp, mask, cfg.kl_estimator)
         metrics["policy/kl_ref"] = masked_mean(kl.detach(), mask)
         if cfg.kl_coef and not cfg.kl_in_reward:
+            if cfg.kl_is_weight:  # samples came from mu: pi / mu makes each term an estimate under pi
+                log_w = token_log_ratio(logp.detach(), behaviour_logp, mask).clamp(-cfg.max_log_ratio,
+                                                                                   cfg.max_log_ratio)
+                kl = kl * masked_fill_zero(torch.exp(log_w).clamp(max=cfg.behaviour_weight_cap), mask)  # [B, T]
+                metrics["policy/kl_ref_weighted"] = masked_mean(kl.detach(), mask)
             loss = loss + cfg.kl_coef * aggregate(kl, mask, cfg)
     if entropy is not None:
         metrics["policy/entropy"] = masked_mean(entropy.detach(), mask)

@@ -31,6 +31,7 @@ BASE_SETTINGS: Mapping[str, Any] = MappingProxyType({
     "kl_coef": 0.0,
     "kl_estimator": "k3",
     "kl_in_reward": False,
+    "kl_is_weight": False,
     "entropy_coef": 0.0,
     "value_clip": 0.2,
     "value_coef": 0.5,
