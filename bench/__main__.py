@@ -29,6 +29,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "kernel": ("bench.bench_kernel", "Log-prob and entropy kernel against a full log-softmax"),
     "sampler": ("bench.bench_sampler", "Sampler against HF generate"),
     "async": ("bench.bench_async", "Sync against async rollouts"),
+    "async_heldout": ("bench.bench_async_heldout", "Sync against async on the coding environment, held-out success"),
     "scaling": ("bench.bench_scaling", "Scaling curves"),
     "gpu": ("bench.gpu", "GPU profile"),
 }

@@ -32,17 +32,14 @@ staleness.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, Clock, Ratio, Section, arguments, machine, write_section
+from bench.common import ROOT, Clock, Ratio, Section, arguments, machine, run_worker, serve_worker, write_section
 from bench.synthetic import ToolLatency, base_overrides, observation_text, scratch_dir, synthetic_trainer
 
 ENGINES = ("sync", "async")
@@ -107,18 +104,6 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     return {"steps": per_step, "other_cpu_share": load["other_cpu_share"], "own_cpu_share": load["own_cpu_share"]}
 
 
-def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
-        json.dump(spec, handle)
-    done = subprocess.run([sys.executable, "-m", "bench.bench_async", "--worker", handle.name], cwd=ROOT,
-                          capture_output=True, text=True)
-    Path(handle.name).unlink(missing_ok=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{spec['engine']} at {spec['latency']} s failed (exit {done.returncode}):\n"
-                           f"{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def crossover(latencies: list[float], speedups: list[float]) -> float | None:
     """The latency where the speed-up first reaches 1, linear between measured points (None: never)."""
     points = sorted(zip(latencies, speedups))
@@ -132,8 +117,7 @@ def crossover(latencies: list[float], speedups: list[float]) -> float | None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.worker:
-        print(json.dumps(run_one(json.loads(Path(args.worker).read_text()))))
+    if serve_worker(args, run_one):
         return
     from bench.bench_trl import prompt_texts
     from keelrl.policy.model import load_policy
@@ -150,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
                     "observation": observation, "prompts": args.prompts, "group": args.group, "turns": args.turns,
                     "completion_tokens": args.completion_tokens, "steps": args.steps,
                     "max_staleness": args.max_staleness}
-            run = run_worker(spec)
+            run = run_worker("bench.bench_async", spec, f"{engine} at {latency} s")
             for number, step in enumerate(run["steps"], 1):
                 if round(step["action_tokens"]) != args.turns * args.completion_tokens:
                     raise RuntimeError(f"{engine} step {number}: {step['action_tokens']} action tokens per "

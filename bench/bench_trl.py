@@ -38,14 +38,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, Clock, Ratio, Section, arguments, fmt_spread, machine, write_section
+from bench.common import Clock, Ratio, Section, arguments, fmt_spread, machine, read_worker_spec, run_worker, write_section
 from bench.synthetic import base_overrides, reward_of, scratch_dir, synthetic_trainer
 
 LIBRARIES = ("keelrl", "trl")
@@ -187,22 +184,10 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- driver
-def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
-        json.dump(spec, handle)
-    command = [sys.executable, "-m", "bench.bench_trl", "--worker", handle.name]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    Path(handle.name).unlink(missing_ok=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{spec['library']} on {spec['model']} failed (exit {done.returncode}):\n"
-                           f"{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker:
-        spec = json.loads(Path(args.worker).read_text())
+        spec = read_worker_spec(args.worker)
         import torch
 
         if spec["threads"] > 0:
@@ -224,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
                     "threads": args.threads}
             print(f"[{model}] {library}: {args.steps} steps of {args.prompts} x {args.group} x "
                   f"{args.completion_tokens} tokens", flush=True)
-            run = run_worker(spec)
+            run = run_worker("bench.bench_trl", spec, f"{library} on {model}")
             expected = args.prompts * args.group * args.completion_tokens
             for number, step in enumerate(run["steps"], 1):
                 if round(step["completion_tokens"]) != expected:

@@ -99,6 +99,36 @@ def arguments(description: str, *, out: str) -> argparse.ArgumentParser:
     return parser
 
 
+# --------------------------------------------------------------------------- worker processes
+def run_worker(module: str, spec: dict[str, Any], what: str) -> dict[str, Any]:
+    """Run `python -m MODULE --worker SPEC.json` in a fresh process (pinning, threads and memory
+    are process-wide); its last stdout line is the JSON result. `what` names it in an error."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+        json.dump(spec, handle, default=_jsonable)
+    try:
+        done = subprocess.run([sys.executable, "-m", module, "--worker", handle.name], cwd=ROOT,
+                              capture_output=True, text=True)
+    finally:
+        Path(handle.name).unlink(missing_ok=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{what} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def read_worker_spec(path: str) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())
+
+
+def serve_worker(args: argparse.Namespace, run: Any) -> bool:
+    """In a worker process (`--worker SPEC`): print `run(spec)` as the JSON result line; True if so."""
+    if not getattr(args, "worker", None):
+        return False
+    print(json.dumps(run(read_worker_spec(args.worker)), default=_jsonable))
+    return True
+
+
 # --------------------------------------------------------------------------- statistics
 def spread(values: Sequence[float]) -> dict[str, float]:
     """min / median / max (and n) of repeated measurements."""

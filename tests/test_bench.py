@@ -24,7 +24,7 @@ from bench.bench_async import crossover  # noqa: E402
 from bench.common import Ratio, Section, fmt_spread, read_section, spread, write_section  # noqa: E402
 from bench.synthetic import ToolLatency, TurnsEnv, PromptTask, reward_of  # noqa: E402
 
-SMOKED = ("kernel", "trl", "sampler", "async")
+SMOKED = ("kernel", "trl", "sampler", "async", "async_heldout")
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def smoke(tmp_path_factory):
 def test_the_report_lists_every_benchmark_and_each_ratio_against_its_target(smoke):
     report = (smoke / "BENCHMARKS.md").read_text()
     assert "smoke sizes: these figures measure nothing" in report
-    for name in ("trl", "kernel", "sampler", "async", "scaling", "gpu"):
+    for name in ("trl", "kernel", "sampler", "async", "async_heldout", "scaling", "gpu"):
         assert f"(`{name}`)" in report
     assert report.count("not run yet in this output directory") == 2  # scaling and gpu were not asked for
     summary = json.loads((smoke / "summary.json").read_text())
@@ -47,6 +47,9 @@ def test_the_report_lists_every_benchmark_and_each_ratio_against_its_target(smok
         ratios = summary[name]
         assert ratios, name
         for ratio in ratios:
+            if name == "async_heldout" and "NOT equal" in ratio["name"]:
+                assert not math.isfinite(ratio["value"]) and not ratio["met"]  # unequal held-out: no speed-up counts
+                continue
             assert math.isfinite(ratio["value"]) and ratio["met"] == (
                 ratio["value"] >= ratio["target"] if "memory" not in ratio["name"] else ratio["value"] <= ratio["target"])
             assert f"| {name} | {ratio['name']} |" in report
@@ -105,6 +108,19 @@ def test_async_smoke_runs_both_engines_at_every_latency(smoke):
         assert all(s["staleness_mean"] == 0 for s in runs["sync"]["steps"])
         assert all(s["staleness_mean"] <= settings["max_staleness"] for s in runs["async"]["steps"])
     assert len(section.data["speedups"]) == len(settings["latencies"])
+
+
+def test_async_heldout_smoke_evaluates_both_engines_on_the_warm_start_tasks(smoke):
+    section = read_section(smoke / "async_heldout" / "section.json")
+    data = section.data
+    tasks = set(data["before"]["task_success"])
+    assert len(tasks) == data["settings"]["eval_tasks"]
+    for engine in ("sync", "async"):
+        run = data["runs"][engine]
+        assert set(run["task_success"]) == tasks  # the same held-out tasks before and after, both engines
+        assert len(run["steps"]) == data["settings"]["steps"]
+    assert all(s["staleness_mean"] == 0 for s in data["runs"]["sync"]["steps"])
+    assert math.isfinite(data["gap"])
 
 
 # --------------------------------------------------------------------------- the pieces, by hand
