@@ -20,6 +20,11 @@ from keelrl.errors import ConfigError
 def _cmd_algos(args: argparse.Namespace) -> int:
     from keelrl.algos import ALL, PRESETS, comparison_table
 
+    if args.format == "markdown":
+        from keelrl.algos.presets import comparison_markdown
+
+        print(comparison_markdown(), end="")
+        return 0
     rows = comparison_table()
     if args.preset:
         if args.preset not in PRESETS:
@@ -292,7 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     algos = sub.add_parser("algos", help="print the comparison table of algorithm presets")
-    algos.add_argument("--format", choices=("table", "json"), default="table")
+    algos.add_argument("--format", choices=("table", "json", "markdown"), default="table",
+                       help="markdown: the table and every component, as docs/algorithms.md holds them")
     algos.add_argument("--preset", help="show only this preset")
     algos.add_argument("--components", action="store_true", help="also list every registered component")
     algos.set_defaults(func=_cmd_algos)

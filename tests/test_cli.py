@@ -121,3 +121,28 @@ def test_overrides_may_follow_options(monkeypatch):
     assert seen == {"out": "/tmp/x", "overrides": ["a.b=1", "train.lr=1e-3", "c=2"], "quick": True}
     with pytest.raises(SystemExit):  # a stray word is still an error, not silently dropped
         main(["lab", "credit", "--out", "/tmp/x", "notanoverride"])
+
+
+def test_docs_algorithm_table_is_what_the_registries_generate():
+    """docs/algorithms.md is `keel algos --format markdown`: a preset or component added, renamed or
+    redescribed without regenerating it fails here."""
+    from pathlib import Path
+
+    from keelrl.algos import ALL, PRESETS
+    from keelrl.algos.presets import comparison_markdown
+
+    committed = (Path(__file__).resolve().parents[1] / "docs" / "algorithms.md").read_text()
+    assert committed == comparison_markdown(), "regenerate: keel algos --format markdown > docs/algorithms.md"
+    for name in PRESETS:
+        assert f"| `{name}` |" in committed
+    for registry in ALL.values():
+        for entry in registry:
+            assert f"| `{entry.name}` |" in committed
+
+
+def test_keel_algos_markdown_prints_the_same_text(capsys):
+    from keelrl.algos.presets import comparison_markdown
+    from keelrl.cli import main
+
+    assert main(["algos", "--format", "markdown"]) == 0
+    assert capsys.readouterr().out == comparison_markdown()

@@ -148,6 +148,33 @@ def comparison_table() -> list[dict[str, Any]]:
     return rows
 
 
+def comparison_markdown() -> str:
+    """The comparison table and every registered component, as Markdown (docs/algorithms.md is this,
+    written by `keel algos --format markdown`; a test fails when the committed file drifts)."""
+    import keelrl.algos  # noqa: F401  (fills the registries)
+    from keelrl.algos.registries import ALL
+
+    def cell(text: str) -> str:
+        return str(text).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["# Algorithms", "",
+             "Generated from keelrl's registries by `keel algos --format markdown > docs/algorithms.md`; "
+             "do not edit by hand. Pick one with `algo.preset=NAME`; any field of `AlgoConfig` overrides "
+             "its preset (`keel config --explain` lists them).", "",
+             "| preset | credit assignment | token weighting | update limit | KL to reference | dynamic sampling "
+             "| critic | source |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in comparison_table():
+        note = f" ({row['note']})" if row["note"] else ""
+        lines.append(f"| `{row['preset']}` | {cell(row['credit'])} | {cell(row['token_weighting'])} "
+                     f"| {cell(row['update_limit'])} | {cell(row['kl'])} | {'yes' if row['dynamic_sampling'] else 'no'} "
+                     f"| {'yes' if row['critic'] else 'no'} | {cell(row['paper'] + note)} |")
+    for kind, registry in ALL.items():
+        lines += ["", f"## `algo.{kind}`", "", "| name | what it is |", "|---|---|"]
+        lines += [f"| `{entry.name}` | {cell(entry.summary)} |" for entry in registry]
+    return "\n".join(lines) + "\n"
+
+
 def choices_for(field: str) -> list[str]:
     """The valid values of `AlgoConfig.<field>` when it names a component, else []."""
     import keelrl.algos  # noqa: F401  (fills the registries)
