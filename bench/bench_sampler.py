@@ -54,7 +54,7 @@ from bench.common import NOISY, Clock, Ratio, Section, wait_quiet, write_section
 from keelrl.envs.coding_tasks import bundled_tasks
 from keelrl.policy import sampling
 from keelrl.policy.model import cpu_has_amx_bf16, load_policy
-from keelrl.policy.sampling import SamplingConfig, draw_uniforms, end_token_ids, sample
+from keelrl.policy.sampling import SamplingConfig, draw_uniforms, end_token_ids, left_pad, sample
 
 ENGINES = ("keelrl", "hf")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -127,17 +127,6 @@ def _render(tokenizer: Any, content: str) -> list[int]:
     text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                          add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def left_pad(contexts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The batch as `sample` builds it: input_ids, attention_mask [B, T], left-padded."""
-    width = max(len(ids) for ids in contexts)
-    input_ids = torch.full((len(contexts), width), pad, dtype=torch.long)
-    attention = torch.zeros((len(contexts), width), dtype=torch.long)
-    for row, ids in enumerate(contexts):
-        input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
-        attention[row, width - len(ids):] = 1
-    return input_ids, attention
 
 
 # --------------------------------------------------------------------------- the engines

@@ -158,12 +158,8 @@ def sample(model: Any, tokenizer: Any, contexts: Sequence[Sequence[int]], cfg: S
         raise ValueError(f"uniforms has shape {tuple(uniforms.shape)}; need [{len(contexts)}, >= {cfg.max_new_tokens}]")
     if cfg.keep_kv or (caches is not None and any(c is not None for c in caches)):
         return _continue(model, tokenizer, contexts, cfg, uniforms, caches)
-    width = max(len(ids) for ids in contexts)
-    input_ids = torch.full((len(contexts), width), pad, dtype=torch.long)
-    attention = torch.zeros((len(contexts), width), dtype=torch.long)
-    for row, ids in enumerate(contexts):
-        input_ids[row, width - len(ids):] = torch.tensor(list(ids), dtype=torch.long)
-        attention[row, width - len(ids):] = 1
+    input_ids, attention = left_pad(contexts, pad)
+    width = input_ids.shape[1]
     input_ids, attention = input_ids.to(device), attention.to(device)
     end_ids = list(end_token_ids(tokenizer))
     sampler = _InverseCdfSampler(cfg, uniforms)
@@ -212,6 +208,7 @@ def _continue(model: Any, tokenizer: Any, contexts: Sequence[Sequence[int]], cfg
                                      for c, ids in zip(caches or [None] * rows, contexts)]
     recomputed = [0] * rows
     missing = [row for row in range(rows) if usable[row] is None]
+    prefilled_rows = set(missing)
     if missing:
         first: dict[tuple[int, ...], int] = {}
         for row in missing:
@@ -228,7 +225,7 @@ def _continue(model: Any, tokenizer: Any, contexts: Sequence[Sequence[int]], cfg
     cached = [len(c.token_ids) for c in held]
     suffixes = [list(contexts[row][cached[row]:]) for row in range(rows)]
     for row in range(rows):
-        recomputed[row] += len(suffixes[row]) if row not in missing else 1  # a prefilled row runs its last token
+        recomputed[row] += len(suffixes[row]) if row not in prefilled_rows else 1  # a prefilled row runs its last token
     width_c, width_s = max(cached), max(len(s) for s in suffixes)
     input_ids = torch.full((rows, width_c + width_s), pad, dtype=torch.long)
     attention = torch.zeros((rows, width_c + width_s), dtype=torch.long)
@@ -289,6 +286,18 @@ def _continue(model: Any, tokenizer: Any, contexts: Sequence[Sequence[int]], cfg
     return samples
 
 
+def left_pad(contexts: Sequence[Sequence[int]], pad: int) -> tuple[Tensor, Tensor]:
+    """Token-id contexts -> input_ids, attention_mask [B, T], left-padded to the longest (on the CPU)."""
+    width = max(len(ids) for ids in contexts)
+    input_ids = torch.full((len(contexts), width), pad, dtype=torch.long)
+    attention = torch.zeros((len(contexts), width), dtype=torch.long)
+    for row, ids in enumerate(contexts):
+        if ids:
+            input_ids[row, width - len(ids):] = torch.tensor(list(ids), dtype=torch.long)
+            attention[row, width - len(ids):] = 1
+    return input_ids, attention
+
+
 def _length_kwargs(cfg: SamplingConfig) -> dict[str, Any]:
     """`generate`'s min_new_tokens when one is asked for (else the model's generation_config decides)."""
     return {"min_new_tokens": cfg.min_new_tokens} if cfg.min_new_tokens > 0 else {}
@@ -296,15 +305,10 @@ def _length_kwargs(cfg: SamplingConfig) -> dict[str, Any]:
 
 def _prefill_caches(model: Any, contexts: Sequence[Sequence[int]], pad: int, device: torch.device) -> list[RowCache]:
     """The keys and values of each context (left-padded into one pass, padding dropped after)."""
-    width = max(len(ids) for ids in contexts)
+    input_ids, attention = left_pad(contexts, pad)
+    width = input_ids.shape[1]
     if width == 0:
         return [_empty_cache(model, device) for _ in contexts]
-    input_ids = torch.full((len(contexts), width), pad, dtype=torch.long)
-    attention = torch.zeros((len(contexts), width), dtype=torch.long)
-    for row, ids in enumerate(contexts):
-        if ids:
-            input_ids[row, width - len(ids):] = torch.tensor(list(ids), dtype=torch.long)
-            attention[row, width - len(ids):] = 1
     input_ids, attention = input_ids.to(device), attention.to(device)
     from keelrl.policy.prefix import returned_cache
 
