@@ -170,9 +170,10 @@ def check_causal_lm(path: str, directory: Path) -> None:
 
 HEAD_CHUNK_BYTES = 64 * 2**20
 """The float32 logits of one head call are kept under this size: 256 positions at SmolLM2's
-49k vocabulary, 110 at Qwen2's 152k. In the backward pass each checkpointed chunk briefly holds
-about six tensors of that size, so this bounds the head's working memory whatever the vocabulary
-(at V = 152k, T = 2k: 1.53 GiB with 256-position chunks against 5.79 GiB for a full log-softmax)."""
+49k vocabulary, 110 at Qwen2's 152k. `HeadLogprobs` holds a few tensors of that size at a time,
+so this bounds the head's working memory whatever the vocabulary (at V = 152k, T = 2k, with
+gradients: 0.84 GiB, most of it the [V, H] weight gradient, against 5.79 GiB for a full
+log-softmax; `python -m bench.bench_kernel`)."""
 
 
 def head_chunk(rows: int, vocab: int, chunk_size: int | None) -> int:
