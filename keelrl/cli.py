@@ -6,6 +6,7 @@ import argparse
 import json
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Sequence
@@ -211,6 +212,27 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_view(args: argparse.Namespace) -> int:
+    from keelrl.viewer import ViewError, serve, write_report
+
+    try:
+        page = write_report(args.run_dir, args.out)
+    except ViewError as error:
+        print(f"keel: {error}", file=sys.stderr)
+        return 2
+    print(page)
+    if args.serve:
+        server, url = serve(page, port=args.port)
+        print(f"serving {page} at {url} (Ctrl-C stops)", file=sys.stderr)
+        try:
+            threading.Event().wait()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            server.shutdown()
+    return 0
+
+
 def _cmd_lab(args: argparse.Namespace) -> int:
     from keelrl.labs import LABS, run_lab
 
@@ -323,6 +345,14 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="print a run's metrics and draw its plots")
     report.add_argument("run_dir")
     report.set_defaults(func=_cmd_report)
+
+    view = sub.add_parser("view", help="write a run's trajectory viewer: one self-contained HTML page of its "
+                                       "curves and episodes, each action token shaded by its advantage")
+    view.add_argument("run_dir")
+    view.add_argument("--out", help="where to write the page (default RUN_DIR/view.html)")
+    view.add_argument("--serve", action="store_true", help="also serve it on localhost until Ctrl-C")
+    view.add_argument("--port", type=int, default=8765, help="--serve: the port (0: any free one)")
+    view.set_defaults(func=_cmd_view)
 
     lab = sub.add_parser("lab", help="run a lab: a failure mode and its remedy, side by side (list: names)")
     lab.add_argument("name", nargs="?", help="lab name, or 'list'")

@@ -244,6 +244,9 @@ class TrainConfig:
     """Save a resumable checkpoint every this many steps."""
     sample_trajectories: int = 4
     """Trajectories written out as readable text per step."""
+    save_episodes: int = 64
+    """Episodes per RL step written token by token to episodes/step_NNNN.jsonl, for `keel view`:
+    each action token's advantage, log-prob, behaviour log-prob, ratio and clip (0: none)."""
     micro_batch_tokens: int = 2048
     """Memory bound of the learner (RL updates, no-grad log-prob passes and the warm start): no
     forward pass sees more than this many padded tokens (rows x longest row). Each minibatch
@@ -278,7 +281,7 @@ class TrainConfig:
         if self.learner_precision not in ("auto", "float32", "bfloat16"):
             raise ConfigError("learner_precision", f"unknown precision {self.learner_precision!r}; "
                                                    "valid: auto, float32, bfloat16")
-        for name in ("steps", "warmup_steps", "eval_temperature"):
+        for name in ("steps", "warmup_steps", "eval_temperature", "save_episodes"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ConfigError(name, f"must be >= 0 (and finite), got {getattr(self, name)!r}")
 

@@ -1100,3 +1100,45 @@ def test_kl_is_weight_weights_each_kl_term_by_the_truncated_ratio_to_the_behavio
     assert metrics["policy/kl_ref"].item() == pytest.approx(math.expm1(8.0) - 8.0)
     assert 0 < metrics["policy/kl_ref_weighted"].item() <= 1.0
     assert token_log_ratio(logp, ref_logp, mask).max().item() == pytest.approx(-8.0)
+
+
+# ------------------------------------------------------------------ token_view (the viewer's per-token clip)
+
+def test_token_view_ratio_and_clip_by_hand():
+    from keelrl.algos.losses import token_view
+
+    # ratios e^0.4 = 1.49, e^0.4, e^-0.7 = 0.50, e^-0.7, e^0.1 = 1.11, and a padded position
+    logp = torch.tensor([[0.4, 0.4, -0.7, -0.7, 0.1, 9.0]], dtype=torch.float64)
+    old = torch.zeros_like(logp)
+    advantages = torch.tensor([[1.0, -1.0, -1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, True, True, True, False]])
+    expected_ratio = [math.exp(0.4), math.exp(0.4), math.exp(-0.7), math.exp(-0.7), math.exp(0.1), 0.0]
+    cases = {
+        # ppo [0.8, 1.2]: the clip removes the gradient of r > 1.2 with A > 0 and r < 0.8 with A < 0
+        "ppo": [True, False, True, False, False, False],
+        "dual_clip": [True, False, True, False, False, False],
+        # cispo clamps the weight of every token outside [0.8, 1.2], whatever A's sign
+        "cispo": [True, True, True, True, False, False],
+        # tis truncates weights above the cap (1.3 here)
+        "tis": [True, True, False, False, False, False],
+        "none": [False] * 6,
+    }
+    for clip, clipped in cases.items():
+        cfg = make_cfg(clip=clip, eps_low=0.2, eps_high=0.2, tis_cap=1.3)
+        ratio, mask_out = token_view(logp=logp, old_logp=old, advantages=advantages, mask=mask, cfg=cfg)
+        assert ratio[0].tolist() == pytest.approx(expected_ratio, rel=1e-12), clip
+        assert mask_out[0].tolist() == clipped, clip
+
+
+def test_token_view_decoupled_measures_against_the_proximal_policy():
+    from keelrl.algos.losses import token_view
+
+    logp = torch.tensor([[0.3, 0.0]], dtype=torch.float64)
+    behaviour = torch.tensor([[-2.0, -2.0]], dtype=torch.float64)  # far stale: r vs mu would be e^2.3
+    prox = torch.tensor([[0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True]])
+    cfg = make_cfg(decoupled=True, clip="ppo", eps_low=0.2, eps_high=0.2)
+    ratio, clipped = token_view(logp=logp, old_logp=behaviour, advantages=torch.ones_like(logp), mask=mask,
+                                cfg=cfg, prox_logp=prox)
+    assert ratio[0].tolist() == pytest.approx([math.exp(0.3), 1.0], rel=1e-12)
+    assert clipped[0].tolist() == [True, False]

@@ -120,14 +120,30 @@ def _finish(per_token: Tensor, mask: Tensor, cfg: "AlgoConfig", metrics: Metrics
     return loss, metrics
 
 
+def clip_masks(ratio: Tensor, advantages: Tensor, cfg: "AlgoConfig") -> tuple[Tensor, Tensor]:
+    """ratio, advantages [B, T] -> (clipped-low, clipped-high) bool masks, as `cfg.clip` limits them.
+
+    ppo and dual_clip: the tokens whose gradient the clip removes (the clipped branch wins the
+    min); cispo: the tokens whose weight is clamped (they keep a gradient); tis: the weights
+    truncated at the cap; none: no token."""
+    low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
+    never = torch.zeros(ratio.shape, dtype=torch.bool, device=ratio.device)
+    if cfg.clip in ("ppo", "dual_clip"):
+        return (ratio < low) & (advantages < 0), (ratio > high) & (advantages > 0)
+    if cfg.clip == "cispo":
+        return ratio < low, ratio > high
+    if cfg.clip == "tis":
+        return never, ratio > cfg.tis_cap
+    return never, never
+
+
 def _ppo_terms(ratio: Tensor, advantages: Tensor, cfg: "AlgoConfig") -> tuple[Tensor, Tensor, Tensor]:
     """-> (per-token PPO loss, clipped-low mask, clipped-high mask), each [B, T]."""
     low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
     clipped_ratio = ratio.clamp(low, high)
     per_token = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
     # Where the clipped branch wins the min, the gradient is zero.
-    clip_low = (ratio < low) & (advantages < 0)
-    clip_high = (ratio > high) & (advantages > 0)
+    clip_low, clip_high = clip_masks(ratio, advantages, cfg)
     return per_token, clip_low, clip_high
 
 
@@ -163,7 +179,7 @@ def cispo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
     low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
     weight = ratio.detach().clamp(low, high)
     per_token = -weight * advantages * logp_masked
-    metrics = _ratio_metrics(ratio, logp, old_logp, mask, ratio < low, ratio > high, cfg)
+    metrics = _ratio_metrics(ratio, logp, old_logp, mask, *clip_masks(ratio, advantages, cfg), cfg)
     return _finish(per_token, mask, cfg, metrics)
 
 
@@ -174,7 +190,7 @@ def tis(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
     ratio, advantages, logp_masked = _prepare(logp, old_logp, advantages, mask, cfg)
     weight = ratio.detach().clamp(max=cfg.tis_cap)
     per_token = -weight * advantages * logp_masked
-    metrics = _ratio_metrics(ratio, logp, old_logp, mask, torch.zeros_like(mask), ratio > cfg.tis_cap, cfg)
+    metrics = _ratio_metrics(ratio, logp, old_logp, mask, *clip_masks(ratio, advantages, cfg), cfg)
     return _finish(per_token, mask, cfg, metrics)
 
 
@@ -183,8 +199,8 @@ def no_clip(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
             cfg: "AlgoConfig") -> tuple[Tensor, Metrics]:
     """[B, T] -> (loss, metrics). Unclipped importance-weighted policy gradient."""
     ratio, advantages, _ = _prepare(logp, old_logp, advantages, mask, cfg)
-    never = torch.zeros_like(mask)
-    return _finish(-ratio * advantages, mask, cfg, _ratio_metrics(ratio, logp, old_logp, mask, never, never, cfg))
+    metrics = _ratio_metrics(ratio, logp, old_logp, mask, *clip_masks(ratio, advantages, cfg), cfg)
+    return _finish(-ratio * advantages, mask, cfg, metrics)
 
 
 def describe_clip(cfg: "AlgoConfig") -> str:
@@ -319,6 +335,20 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
 
 
 # ---------------------------------------------------------------------------- full objective
+
+def token_view(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: "AlgoConfig",
+               prox_logp: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """All [B, T] -> (ratio, clipped), per token, as `policy_objective`'s clip rule sees them.
+
+    The ratio is `cfg.ratio`'s, against the behaviour policy mu, or against the proximal policy
+    with `cfg.decoupled` (whose scaling of the advantages keeps their sign, so the masks agree);
+    `clipped` is either mask of `clip_masks`. For reading trajectories (the viewer), not a loss:
+    both are detached, and 0 / False off the mask."""
+    reference = prox_logp if cfg.decoupled and prox_logp is not None else old_logp
+    ratio = RATIOS.get(cfg.ratio)(logp.detach(), reference, mask, cfg)
+    low, high = clip_masks(ratio, advantages.detach().to(ratio.dtype), cfg)
+    return masked_fill_zero(ratio.detach(), mask), (low | high) & mask
+
 
 def policy_objective(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
                      cfg: "AlgoConfig", ref_logp: Tensor | None = None,

@@ -50,7 +50,7 @@ import torch
 from keelrl.algos import compute_advantages, outcome_to_token_rewards, policy_objective, value_loss
 from keelrl.algos.config import AlgoConfig
 from keelrl.algos.distill import forward_kl, generalized_jsd, reverse_kl, sampled_reverse_kl, top_token_disagreement
-from keelrl.algos.losses import aggregate, kl_reward_penalty
+from keelrl.algos.losses import aggregate, kl_reward_penalty, token_view
 from keelrl.config import KeelConfig, dump_config
 from keelrl.envs.coding import CodingEnv
 from keelrl.envs.guess import BinarySearchTeacher, GuessEnvFactory
@@ -58,6 +58,7 @@ from keelrl.envs.tasks import Task
 from keelrl.envs.teacher import ScriptedTeacher
 from keelrl.alarms import PATCH_TOOLS, AlarmEvent, AlarmMonitor, distinct_patches
 from keelrl.monitor import MetricsLogger, plot_run, read_metrics, truncate_jsonl
+from keelrl.train.episodes import TokenRecord, episode_rows, write_episodes
 from keelrl.policy.critic import build_critic
 from keelrl.policy.model import (chunked_token_logprobs, cpu_has_amx_bf16, learner_autocast, load_policy, pin_to_cores,
                                  resolve_device, row_lengths,
@@ -679,6 +680,9 @@ class Trainer:
                       / max(1, len(rollouts.trajectories)),
                       "train/env_error_groups_dropped": len(failed_groups)}
         if not trajectories:  # dynamic sampling kept no group, or every group failed: nothing to learn from
+            if self.cfg.train.save_episodes:
+                write_episodes(self.run_dir, step, episode_rows(step, rollouts.trajectories, [], self.tokenizer,
+                                                                limit=self.cfg.train.save_episodes))
             return {**rollouts.metrics, **env_errors, "train/updates": 0, "train/skipped_updates": 0,
                     "time/step_s": time.monotonic() - started}
         learn_started = time.monotonic()
@@ -703,12 +707,14 @@ class Trainer:
         if prox_all is None:
             prox_all = torch.zeros_like(batch.behaviour_logprobs)
         learner = (advantages, returns, old_values, ref_all, prox_all)
-        for _ in range(train.epochs):
+        record = TokenRecord.like(batch.behaviour_logprobs) if train.save_episodes else None
+        for epoch in range(train.epochs):
             order = group_order([t.group_id for t in trajectories], rng)
             for start in range(0, len(order), train.minibatch_size):
                 rows = torch.tensor(order[start:start + train.minibatch_size], device=self.device)
                 self.optimizer.zero_grad(set_to_none=True)
-                metrics, passes = self.accumulate_gradients(batch, rows, *learner, fill_prox=fill_prox)
+                metrics, passes = self.accumulate_gradients(batch, rows, *learner, fill_prox=fill_prox,
+                                                            record=record if epoch == 0 else None)
                 micro_batches += passes
                 if metrics is None:  # a micro-batch's loss was not finite
                     self.optimizer.zero_grad(set_to_none=True)
@@ -754,6 +760,10 @@ class Trainer:
         if self.device.type == "cuda":  # the next row's peak covers the next step only
             torch.cuda.reset_peak_memory_stats(self.device)
         self._write_samples(step, rollouts.trajectories)  # failed episodes too: they show the error
+        if train.save_episodes:
+            kinds = {task.id: getattr(task, "kind", "") for task in self.train_tasks}
+            write_episodes(self.run_dir, step, episode_rows(step, rollouts.trajectories, trajectories, self.tokenizer,
+                                                            advantages, record, kinds, limit=train.save_episodes))
         if self.curriculum is not None:
             row.update(self._record_curriculum(trajectories))
         return row
@@ -771,11 +781,13 @@ class Trainer:
 
     def accumulate_gradients(self, batch: Batch, rows: torch.Tensor, advantages: torch.Tensor,
                              returns: torch.Tensor, old_values: torch.Tensor | None, ref_all: torch.Tensor | None,
-                             prox_all: torch.Tensor, fill_prox: bool = False) -> tuple[dict[str, float] | None, int]:
+                             prox_all: torch.Tensor, fill_prox: bool = False,
+                             record: TokenRecord | None = None) -> tuple[dict[str, float] | None, int]:
         """Backward of the minibatch `rows` of `batch`, in micro-batches -> (the minibatch's metrics, passes run).
 
         `fill_prox`: the proximal log-probs are this pass's own (detached), written into `prox_all`
-        as each micro-batch runs (`prox_from_update`).
+        as each micro-batch runs (`prox_from_update`). `record`: each action token's log-prob,
+        ratio and clip, as this pass's loss sees them, are stored there (for episodes/).
 
         Gradients add up in the parameters' .grad (the caller zeroes them first) to those of one
         pass over the whole minibatch: each micro-batch's loss is scaled by `micro_batch_scale`.
@@ -814,6 +826,10 @@ class Trainer:
                                              advantages=advantages[micro_rows, :width], mask=micro.action_mask,
                                              cfg=algo, ref_logp=ref, entropy=out["entropy"],
                                              prox_logp=prox_all[micro_rows, :width])
+            if record is not None:
+                record.write(micro_rows, width, out["logp"], *token_view(
+                    logp=out["logp"], old_logp=micro.behaviour_logprobs, advantages=advantages[micro_rows, :width],
+                    mask=micro.action_mask, cfg=algo, prox_logp=prox_all[micro_rows, :width]))
             if self.value_head is not None and old_values is not None:
                 new_values = self.value_head(micro.input_ids, micro.attention_mask, out["hidden"])
                 vloss, vmetrics = value_loss(new_values, old_values[micro_rows, :width],
@@ -958,6 +974,8 @@ class Trainer:
             for stale in ("metrics.jsonl", "alarms.jsonl"):
                 if (self.run_dir / stale).exists():
                     (self.run_dir / stale).unlink()
+            for old_episodes in (self.run_dir / "episodes").glob("step_*.jsonl"):  # an earlier run's
+                old_episodes.unlink()
             heldout: dict[str, Any] = {}
             if self.cfg.train.eval_base and self.cfg.warm_start.demos > 0:
                 self.progress("phase", {"phase": "eval (base model)"})
