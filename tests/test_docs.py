@@ -32,10 +32,6 @@ REPO = Path(__file__).resolve().parents[1]
 DOCS = sorted((REPO / "docs").glob("*.md"))
 PAGES = [*DOCS, REPO / "README.md"]
 
-PENDING = {"view"}
-"""Subcommands the docs already describe that are not in the parser yet (`keel view`, being
-built now). Their lines are not parsed; empty this set when they land."""
-
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 INLINE = re.compile(r"(`+)(.+?)\1", re.DOTALL)
 OVERRIDE = re.compile(r"(?<![\w./=-])((?:[a-z_][a-z0-9_]*\.)+[a-z_][a-z0-9_]*)=([^\s\"'`]*)")
@@ -270,7 +266,7 @@ def documented_commands() -> list[tuple[Path, str, list[str]]]:
 
 
 def test_every_named_subcommand_exists():
-    subcommands = set(next(a for a in build_parser()._actions if a.dest == "command").choices) | PENDING
+    subcommands = set(next(a for a in build_parser()._actions if a.dest == "command").choices)
     named = {(page, span) for page in DOCS for span in inline_spans(text(page)) if command_words(span)}
     bad = [where(page, span) for page, span in sorted(named) if command_words(span)[0] not in subcommands]
     assert not bad, "keel subcommands named in docs that do not exist:\n" + "\n".join(bad)
@@ -280,18 +276,8 @@ def test_every_documented_command_parses():
     commands = documented_commands()
     assert len(commands) > 40, f"only {len(commands)} commands found: the extraction is broken"
     bad = [f"{where(page, unit)}: {problem}" for page, unit, argv in commands
-           if argv[:1] and argv[0] not in PENDING and (problem := parse_problem(argv))]
+           if argv[:1] and (problem := parse_problem(argv))]
     assert not bad, "command lines in docs that keel does not accept:\n" + "\n".join(bad)
-
-
-def test_pending_subcommands_are_still_pending():
-    """PENDING lists only what the parser lacks and the docs use; when `keel view` lands, this
-    fails until PENDING is emptied, and its lines are parsed like every other."""
-    subparsers = next(a for a in build_parser()._actions if a.dest == "command")
-    landed = PENDING & set(subparsers.choices)
-    assert not landed, f"{sorted(landed)} exist now: remove them from PENDING in tests/test_docs.py"
-    used = {argv[0] for _, _, argv in documented_commands() if argv}
-    assert PENDING <= used, f"PENDING names subcommands no page uses: {sorted(PENDING - used)}"
 
 
 def test_the_command_check_rejects_what_it_should():

@@ -275,9 +275,19 @@ class CodingEnvFactory:
 
 
 class Trainer:
-    """Runs one training job into cfg.run_dir (see the module docstring)."""
+    """Runs one training job into cfg.run_dir (see the module docstring).
 
-    def __init__(self, cfg: KeelConfig, progress: Callable[[str, dict[str, Any]], None] | None = None) -> None:
+    `model`, `tasks` and `run_dir`, where given, replace model.path (a local HF causal LM, a
+    .gguf file or a registered name), env.tasks (a task .jsonl file) and run_dir in `cfg`
+    (`keelrl.api.with_paths`). `progress(event, info)` hears of phases, evaluations, steps and
+    alarms as they happen."""
+
+    def __init__(self, cfg: KeelConfig, progress: Callable[[str, dict[str, Any]], None] | None = None, *,
+                 model: str | Path | None = None, tasks: str | Path | None = None,
+                 run_dir: str | Path | None = None) -> None:
+        from keelrl.api import with_paths
+
+        cfg = with_paths(cfg, model=model, tasks=tasks, run_dir=run_dir)
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.progress = progress or (lambda event, info: None)
@@ -952,6 +962,10 @@ class Trainer:
         return stop
 
     # ----------------------------------------------------------------- the job
+    def train(self) -> dict[str, Any]:
+        """The whole job, from the start: `run()`. -> summary.json's content."""
+        return self.run()
+
     def run(self, resume: bool = False, stop_after: int | None = None) -> dict[str, Any]:
         """Warm start (unless resuming), then RL to cfg.train.steps; returns summary.json's content."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
