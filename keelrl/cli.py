@@ -20,6 +20,7 @@ from keelrl.errors import ConfigError
 
 def _cmd_algos(args: argparse.Namespace) -> int:
     from keelrl.algos import ALL, PRESETS, comparison_table
+    from keelrl.algos.presets import symbolic_summary
 
     if args.format == "markdown":
         from keelrl.algos.presets import comparison_markdown
@@ -32,8 +33,8 @@ def _cmd_algos(args: argparse.Namespace) -> int:
             raise ConfigError("preset", f"unknown preset {args.preset!r}; valid names: {', '.join(PRESETS)}")
         rows = [row for row in rows if row["preset"] == args.preset]
     if args.format == "json":
-        payload = {"presets": rows,
-                   "components": {kind: {e.name: e.summary for e in registry} for kind, registry in ALL.items()}}
+        payload = {"presets": rows, "components": {kind: {e.name: symbolic_summary(e.summary) for e in registry}
+                                                    for kind, registry in ALL.items()}}
         print(json.dumps(payload, indent=2))
         return 0
     console = Console(width=max(Console().width, 160) if args.format == "table" else 200)
@@ -52,7 +53,7 @@ def _cmd_algos(args: argparse.Namespace) -> int:
             components.add_column("name")
             components.add_column("summary")
             for entry in registry:
-                components.add_row(entry.name, entry.summary)
+                components.add_row(entry.name, symbolic_summary(entry.summary))
             console.print(components)
     return 0
 

@@ -10,6 +10,8 @@ Where a paper leaves a number open or our setting departs from it, the preset's 
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -148,6 +150,16 @@ def comparison_table() -> list[dict[str, Any]]:
     return rows
 
 
+SUMMARY_SYMBOLS = {"lo": "1 - eps_low", "hi": "1 + eps_high", "c": "dual_clip_c", "cap": "tis_cap"}
+"""The config fields behind the placeholders of the clip rules' summaries (`describe_clip` fills
+them with numbers; a listing of every component names the fields instead)."""
+
+
+def symbolic_summary(summary: str) -> str:
+    """A registered summary with its `{lo:g}`-style placeholders written as the fields they read."""
+    return re.sub(r"\{(\w+)(?::[^}]*)?\}", lambda match: SUMMARY_SYMBOLS.get(match.group(1), match.group(0)), summary)
+
+
 def comparison_markdown() -> str:
     """The comparison table and every registered component, as Markdown (docs/algorithms.md is this,
     written by `keel algos --format markdown`; a test fails when the committed file drifts)."""
@@ -171,7 +183,7 @@ def comparison_markdown() -> str:
                      f"| {'yes' if row['critic'] else 'no'} | {cell(row['paper'] + note)} |")
     for kind, registry in ALL.items():
         lines += ["", f"## `algo.{kind}`", "", "| name | what it is |", "|---|---|"]
-        lines += [f"| `{entry.name}` | {cell(entry.summary)} |" for entry in registry]
+        lines += [f"| `{entry.name}` | {cell(symbolic_summary(entry.summary))} |" for entry in registry]
     return "\n".join(lines) + "\n"
 
 
