@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -152,16 +153,10 @@ def test_wandb_offline_holds_the_numeric_metrics_at_their_steps_and_resume_conti
                 logger.log(step, row)
             logger.log_summary({"rl_lift": {"success": 0.125}, "preset": "grpo", "heldout": {"final": {"x": 1}}})
         (first,) = (run_dir / "wandb").glob("offline-run-*")
-        run = _wandb_run(first)
-        assert run["id"] == json.loads((run_dir / "wandb_run.json").read_text())["run_id"]
-        assert run["config"]["algo"] == CONFIG["algo"] and run["config"]["train"] == CONFIG["train"]
-        # None (NaN, inf), booleans, strings and lists never reach W&B; ints stay ints
-        assert run["history"] == {0: {"train/reward": 0.25, "count": 3, "eval/success@k": 0.5},
-                                  1: {"train/reward": 0.5, "policy/entropy": 1.25, "count": 4, "eval/success@k": 0.75},
-                                  2: {"train/reward": 0.75, "count": 5}}
-        assert run["summary"]["summary/rl_lift/success"] == 0.125 and "summary/heldout/final/x" not in run["summary"]
-        assert run["exit_code"] == 0
-
+        run_id = json.loads((run_dir / "wandb_run.json").read_text())["run_id"]
+        # A folder is named by its start second and the run id: a resume within the same second
+        # (only a test is that quick) would share the first attempt's folder.
+        time.sleep(1)
         # Resumed from the step-1 checkpoint: step 2 is already in W&B (equal in a real resume), so
         # only 3 and 4 are sent, to the same run id; the error that ends the run marks it failed.
         with pytest.raises(RuntimeError, match="disk full"):
@@ -169,17 +164,28 @@ def test_wandb_offline_holds_the_numeric_metrics_at_their_steps_and_resume_conti
                 for step in (2, 3, 4):
                     logger.log(step, {"train/reward": step / 10})
                 raise RuntimeError("disk full")
-        (second,) = set((run_dir / "wandb").glob("offline-run-*")) - {first}
-        resumed = _wandb_run(second)
-        assert resumed["id"] == run["id"]
-        assert resumed["history"] == {3: {"train/reward": 0.3}, 4: {"train/reward": 0.4}}
-        assert resumed["exit_code"] == 1
-        assert [row["step"] for row in read_metrics(run_dir)] == [0, 1, 2, 3, 4]  # jsonl: the resumed values
-        assert read_metrics(run_dir)[2]["train/reward"] == 0.2
+        assert json.loads((run_dir / "wandb_run.json").read_text())["run_id"] == run_id
     finally:
-        wandb.teardown()
+        wandb.teardown()  # stops W&B's service process; only then is every record on disk (under load, not at finish)
     leftover = [p for p in psutil.Process().children(recursive=True) if "wandb" in " ".join(p.cmdline())]
     assert not leftover, leftover
+
+    run = _wandb_run(first)
+    assert run["id"] == run_id
+    assert run["config"]["algo"] == CONFIG["algo"] and run["config"]["train"] == CONFIG["train"]
+    # None (NaN, inf), booleans, strings and lists never reach W&B; ints stay ints
+    assert run["history"] == {0: {"train/reward": 0.25, "count": 3, "eval/success@k": 0.5},
+                              1: {"train/reward": 0.5, "policy/entropy": 1.25, "count": 4, "eval/success@k": 0.75},
+                              2: {"train/reward": 0.75, "count": 5}}
+    assert run["summary"]["summary/rl_lift/success"] == 0.125 and "summary/heldout/final/x" not in run["summary"]
+    assert run["exit_code"] == 0
+    (second,) = set((run_dir / "wandb").glob("offline-run-*")) - {first}
+    resumed = _wandb_run(second)
+    assert resumed["id"] == run_id
+    assert resumed["history"] == {3: {"train/reward": 0.3}, 4: {"train/reward": 0.4}}
+    assert resumed["exit_code"] == 1
+    assert [row["step"] for row in read_metrics(run_dir)] == [0, 1, 2, 3, 4]  # jsonl: the resumed values
+    assert read_metrics(run_dir)[2]["train/reward"] == 0.2
 
 
 # ------------------------------------------------------------------ MLflow file store
