@@ -188,7 +188,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if checkpoint is None:
         print(f"keel: no checkpoint in {str(run_dir)!r} (no checkpoint.json)", file=sys.stderr)
         return 2
-    cfg = load_config(run_dir / "config.yaml", [f"model.path={checkpoint / 'model'}", *args.overrides])
+    # Evaluation logs to no sink: a run's W&B or MLflow need not be installed to evaluate it.
+    cfg = load_config(run_dir / "config.yaml", [f"model.path={checkpoint / 'model'}", "log.sinks=[jsonl]",
+                                                *args.overrides])
     result = Trainer(cfg).evaluate()
     print(json.dumps(result, indent=2))
     return 0

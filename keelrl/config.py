@@ -483,6 +483,50 @@ class MonitorConfig:
             raise ConfigError("stop_on", f"unknown alarm(s) {unknown}; valid names: {', '.join(ALARMS)}, any")
 
 
+WANDB_MODES = ("auto", "online", "offline", "disabled")
+
+
+@dataclasses.dataclass
+class LogConfig:
+    """Where each step's metrics row goes (keelrl/sinks.py): metrics.jsonl always, TensorBoard by
+    default, Weights & Biases and MLflow when asked for."""
+
+    sinks: list[str] = dataclasses.field(default_factory=lambda: ["jsonl", "tensorboard"])
+    """Sinks that each receive every step's row. jsonl (run_dir/metrics.jsonl) must be one of
+    them: resume, summary.json, plots and `keel report` read it. wandb needs
+    `pip install 'keelrl[wandb]'`, mlflow `pip install 'keelrl[mlflow]'` (checked when the
+    Trainer is built, before the model loads)."""
+    project: str = ""
+    """W&B project and MLflow experiment (empty: WANDB_PROJECT, resp. MLFLOW_EXPERIMENT_NAME, if
+    set, else keelrl). W&B's entity comes from WANDB_ENTITY or the account's default."""
+    run_name: str = ""
+    """Run name shown in W&B and MLflow (empty: the run directory's name)."""
+    wandb_mode: str = "auto"
+    """online, offline (no network: W&B writes run_dir/wandb/offline-run-*, uploaded later with
+    `wandb sync`), disabled, or auto: W&B's own choice (WANDB_MODE, `wandb offline`, else online)
+    when WANDB_MODE is set or W&B credentials are found (WANDB_API_KEY or the netrc entry
+    `wandb login` writes), else offline with a warning."""
+    mlflow_tracking_uri: str = ""
+    """MLflow tracking server or store (empty: MLFLOW_TRACKING_URI if set, else the file store
+    run_dir/mlruns, which MLflow 3 opens only with MLFLOW_ALLOW_FILE_STORE=true in the
+    environment; a store MLflow refuses fails when the Trainer is built)."""
+
+    def __post_init__(self) -> None:
+        from keelrl.sinks import SINKS
+
+        unknown = [name for name in self.sinks if name not in SINKS]
+        if unknown:
+            raise ConfigError("sinks", f"unknown sink(s) {unknown}; valid names: {', '.join(SINKS)}")
+        repeated = sorted({name for name in self.sinks if self.sinks.count(name) > 1})
+        if repeated:
+            raise ConfigError("sinks", f"{', '.join(repeated)} listed more than once in {self.sinks}")
+        if "jsonl" not in self.sinks:
+            raise ConfigError("sinks", f"jsonl is required (resume, summary.json, plots and `keel report` read "
+                                       f"metrics.jsonl); got {self.sinks}, e.g. [{', '.join(['jsonl', *self.sinks])}]")
+        if self.wandb_mode not in WANDB_MODES:
+            raise ConfigError("wandb_mode", f"unknown mode {self.wandb_mode!r}; valid: {', '.join(WANDB_MODES)}")
+
+
 @dataclasses.dataclass
 class KeelConfig:
     """Everything a keelrl run does, resolved and saved in the run directory."""
@@ -513,6 +557,8 @@ class KeelConfig:
     """Which training tasks each RL step draws (a success-rate curriculum, or uniform)."""
     prm: PRMConfig = dataclasses.field(default_factory=PRMConfig)
     """A process reward model trained on hidden-check progress per turn."""
+    log: LogConfig = dataclasses.field(default_factory=LogConfig)
+    """Metric sinks: metrics.jsonl, TensorBoard, Weights & Biases, MLflow."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not _DEVICE_PATTERN.match(self.device):
@@ -706,6 +752,10 @@ def _choices(cls: type, name: str) -> list[str]:
         from keelrl.algos.presets import choices_for
 
         return choices_for(name)
+    if cls is LogConfig and name == "sinks":
+        from keelrl.sinks import SINKS
+
+        return list(SINKS)
     return []
 
 

@@ -1,9 +1,11 @@
-"""Metrics sinks and plots: metrics.jsonl (one line per step), TensorBoard events, PNG charts.
+"""The metrics logger and plots: each step's row to every sink, then PNG charts from metrics.jsonl.
 
-`MetricsLogger.log(step, metrics)` appends one JSON line and writes every numeric value to
-TensorBoard. `plot_run(run_dir)` reads metrics.jsonl back and draws the run's charts:
-training reward against independent eval success on one chart (the lecture's "plot two
-curves"), entropy, KL, clip fraction and the max importance weight.
+`MetricsLogger.log(step, metrics)` hands one row to each sink `log.sinks` names
+(keelrl/sinks.py): by default run_dir/metrics.jsonl (every value, one JSON line a step) and
+TensorBoard (every numeric value); Weights & Biases and MLflow when asked for. `plot_run(run_dir)`
+reads metrics.jsonl back and draws the run's charts: training reward against independent eval
+success on one chart (the lecture's "plot two curves"), entropy, KL, clip fraction and the max
+importance weight.
 """
 
 from __future__ import annotations
@@ -11,7 +13,13 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Mapping
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Mapping
+
+from keelrl.sinks import SINKS, Sink, SinkContext
+
+if TYPE_CHECKING:
+    from keelrl.config import LogConfig
 
 
 def _plain(value: Any) -> Any:
@@ -23,39 +31,79 @@ def _plain(value: Any) -> Any:
 
 
 class MetricsLogger:
-    """Appends metrics to run_dir/metrics.jsonl and TensorBoard (run_dir/tb).
+    """Hands each step's metrics to the sinks `settings.sinks` names (default: metrics.jsonl and
+    TensorBoard under run_dir/tb); a context manager that closes them, telling them the error
+    that ended the block.
 
-    `resume_after=k`: a run resumed from its step-k checkpoint. metrics.jsonl first loses every
-    line of a later step (and a torn last line a kill left), atomically; TensorBoard purges
-    events after step k, so repeated steps are not plotted twice."""
+    `config`: the run's resolved config as nested dicts, for the sinks that record it (W&B's run
+    config, MLflow's params). `resume_after=k`: a run resumed from its step-k checkpoint.
+    metrics.jsonl first loses every line of a later step (and a torn last line a kill left),
+    atomically; TensorBoard purges events after step k, so repeated steps are not plotted twice;
+    W&B and MLflow reopen their run and skip the steps it already holds (keelrl/sinks.py)."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True, resume_after: int | None = None) -> None:
+    def __init__(self, run_dir: str | Path, settings: LogConfig | None = None, *,
+                 config: Mapping[str, Any] | None = None, resume_after: int | None = None) -> None:
+        from keelrl.config import LogConfig
+
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.settings = settings if settings is not None else LogConfig()
         self.path = self.run_dir / "metrics.jsonl"
-        if resume_after is not None:
-            truncate_jsonl(self.path, resume_after)
-        self.writer = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            purge = None if resume_after is None else resume_after + 1
-            self.writer = SummaryWriter(log_dir=str(self.run_dir / "tb"), purge_step=purge)
+        context = SinkContext(run_dir=self.run_dir, settings=self.settings, config=dict(config or {}),
+                              resume_after=resume_after,
+                              logged_through=None if resume_after is None else last_step(self.path))
+        self.sinks: list[Sink] = []
+        try:
+            # jsonl first: it truncates metrics.jsonl before a new remote run is filled from it
+            for name in sorted(self.settings.sinks, key=lambda name: name != "jsonl"):
+                self.sinks.append(SINKS[name](context))
+        except BaseException as error:
+            self.close(error)
+            raise
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         row = {"step": step, **{key: _plain(value) for key, value in metrics.items()}}
-        with self.path.open("a") as handle:
-            handle.write(json.dumps(row) + "\n")
-        if self.writer is not None:
-            for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.writer.add_scalar(key, value, step)
-            self.writer.flush()
+        for sink in self.sinks:
+            sink.log(step, row)
         return row
 
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+    def log_summary(self, summary: Mapping[str, Any]) -> None:
+        """A finished run's summary (summary.json's content) to the sinks that keep one."""
+        for sink in self.sinks:
+            sink.log_summary(summary)
+
+    def close(self, error: BaseException | None = None) -> None:
+        """Close every sink (each one even if another's close raises; the first error is raised)."""
+        sinks, self.sinks = self.sinks, []
+        failure: BaseException | None = None
+        for sink in sinks:
+            try:
+                sink.close(error)
+            except BaseException as close_error:
+                failure = failure or close_error
+        if failure is not None:
+            raise failure
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        self.close(error)
+
+
+def last_step(path: str | Path) -> int | None:
+    """The "step" of a JSONL log's last complete line (a torn last line is skipped); None if none."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    for line in reversed(lines[-2:]):
+        try:
+            return int(json.loads(line)["step"])
+        except ValueError:
+            continue
+    return None
 
 
 def truncate_jsonl(path: str | Path, step: int) -> None:

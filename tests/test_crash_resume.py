@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from keelrl.config import TINY_RUN
+from keelrl.config import TINY_RUN, LogConfig
 from keelrl.monitor import MetricsLogger, truncate_jsonl
 from keelrl.policy.tiny import TinyModelSpec, save_tiny_default
 from keelrl.train.checkpoint import CheckpointError, atomic_write_text, latest_checkpoint, save_checkpoint
@@ -80,7 +80,7 @@ def test_a_torn_last_metrics_line_is_dropped_and_a_corrupt_middle_line_named(tmp
     with pytest.raises(ValueError, match="metrics.jsonl:2"):
         truncate_jsonl(path, 1)
     path.write_text('{"step": 0}\n{"step": 1}\n')
-    logger = MetricsLogger(tmp_path, tensorboard=False, resume_after=0)
+    logger = MetricsLogger(tmp_path, LogConfig(sinks=["jsonl"]), resume_after=0)
     logger.log(1, {"x": 1.0})
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1]
 

@@ -51,13 +51,14 @@ from keelrl.algos import compute_advantages, outcome_to_token_rewards, policy_ob
 from keelrl.algos.config import AlgoConfig
 from keelrl.algos.distill import forward_kl, generalized_jsd, reverse_kl, sampled_reverse_kl, top_token_disagreement
 from keelrl.algos.losses import aggregate, kl_reward_penalty, token_view
-from keelrl.config import KeelConfig, dump_config
+from keelrl.config import KeelConfig, dump_config, to_dict
 from keelrl.envs.coding import CodingEnv
 from keelrl.envs.guess import BinarySearchTeacher, GuessEnvFactory
 from keelrl.envs.tasks import Task
 from keelrl.envs.teacher import ScriptedTeacher
 from keelrl.alarms import PATCH_TOOLS, AlarmEvent, AlarmMonitor, distinct_patches
 from keelrl.monitor import MetricsLogger, plot_run, read_metrics, truncate_jsonl
+from keelrl.sinks import check_sinks
 from keelrl.train.episodes import TokenRecord, episode_rows, write_episodes
 from keelrl.policy.critic import build_critic
 from keelrl.policy.model import (chunked_token_logprobs, cpu_has_amx_bf16, learner_autocast, load_policy, pin_to_cores,
@@ -290,6 +291,7 @@ class Trainer:
         cfg = with_paths(cfg, model=model, tasks=tasks, run_dir=run_dir)
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
+        check_sinks(cfg.log, self.run_dir)  # a missing wandb/mlflow fails now, before the model loads
         self.progress = progress or (lambda event, info: None)
         self.device = resolve_device(cfg.device)
         if cfg.train.learner_cores:  # before the first torch op starts its thread pool
@@ -974,92 +976,94 @@ class Trainer:
         else:
             forget_checkpoints(self.run_dir)  # first: no later resume may mix the old run's files with ours
         atomic_write_text(self.run_dir / "config.yaml", dump_config(self.cfg))
-        logger = MetricsLogger(self.run_dir, resume_after=self.step if resume else None)
-        monitor = AlarmMonitor(self.cfg.monitor)
-        if resume:
-            self._load_reference()
-            truncate_jsonl(self.run_dir / "alarms.jsonl", self.step)
-            for old in read_metrics(self.run_dir):  # replay: alarms that fired before stay fired
-                monitor.update(int(old["step"]), old)
-            if self.step < self.cfg.train.steps:  # resumed to go further: the old end is not the end
-                self.summary.get("heldout", {}).pop("final", None)
-            self.progress("resumed", {"step": self.step})
-        else:
-            for stale in ("metrics.jsonl", "alarms.jsonl"):
-                if (self.run_dir / stale).exists():
-                    (self.run_dir / stale).unlink()
-            for old_episodes in (self.run_dir / "episodes").glob("step_*.jsonl"):  # an earlier run's
-                old_episodes.unlink()
-            heldout: dict[str, Any] = {}
-            if self.cfg.train.eval_base and self.cfg.warm_start.demos > 0:
-                self.progress("phase", {"phase": "eval (base model)"})
-                base = self.evaluate()
-                heldout["base"] = self.last_eval_report
-                self.progress("eval_base", base)
-            self.progress("phase", {"phase": "warm start"})
-            warm = self.warm_start()
-            self._freeze_reference()
-            before: dict[str, float] = {}
-            if self.cfg.train.eval_before_rl:
-                self.progress("phase", {"phase": "eval (before RL)"})
-                before = self.evaluate()
-                heldout["warm_start"] = self.last_eval_report
-            self.summary = {"eval_success_before_rl": before.get("eval/success"), **warm, "heldout": heldout}
-            if warm or before:
-                logger.log(0, {**warm, **before})
-            monitor.update(0, before)
-            if before:
-                self.progress("eval", {"step": 0, **before})
-            self.save_checkpoint()  # step 0: a kill from here on resumes without redoing the warm start
-        total = self.cfg.train.steps
-        engine = self.make_engine(last_step=total if stop_after is None else min(total, stop_after))
-        try:
-            if engine.name != "sync":
-                self.publish(engine, self.step)
-            engine.start(self.step)
-            self.progress("phase", {"phase": "RL"})
-            while self.step < total:
-                if stop_after is not None and self.step >= stop_after:
-                    break
-                step = self.step + 1
-                started = time.monotonic()
-                teacher_step = self.teacher_samples(step)
-                if teacher_step and engine.name == "sync":
-                    rollouts = self.teacher_rollouts(step)
-                else:
-                    rollouts = engine.batch(step)  # (an async engine's batch is made anyway: keep its stream)
-                    if teacher_step:
+        logger = MetricsLogger(self.run_dir, self.cfg.log, config=to_dict(self.cfg),
+                               resume_after=self.step if resume else None)
+        with logger:  # closes every sink, telling W&B and MLflow whether the run failed
+            monitor = AlarmMonitor(self.cfg.monitor)
+            if resume:
+                self._load_reference()
+                truncate_jsonl(self.run_dir / "alarms.jsonl", self.step)
+                for old in read_metrics(self.run_dir):  # replay: alarms that fired before stay fired
+                    monitor.update(int(old["step"]), old)
+                if self.step < self.cfg.train.steps:  # resumed to go further: the old end is not the end
+                    self.summary.get("heldout", {}).pop("final", None)
+                self.progress("resumed", {"step": self.step})
+            else:
+                for stale in ("metrics.jsonl", "alarms.jsonl"):
+                    if (self.run_dir / stale).exists():
+                        (self.run_dir / stale).unlink()
+                for old_episodes in (self.run_dir / "episodes").glob("step_*.jsonl"):  # an earlier run's
+                    old_episodes.unlink()
+                heldout: dict[str, Any] = {}
+                if self.cfg.train.eval_base and self.cfg.warm_start.demos > 0:
+                    self.progress("phase", {"phase": "eval (base model)"})
+                    base = self.evaluate()
+                    heldout["base"] = self.last_eval_report
+                    self.progress("eval_base", base)
+                self.progress("phase", {"phase": "warm start"})
+                warm = self.warm_start()
+                self._freeze_reference()
+                before: dict[str, float] = {}
+                if self.cfg.train.eval_before_rl:
+                    self.progress("phase", {"phase": "eval (before RL)"})
+                    before = self.evaluate()
+                    heldout["warm_start"] = self.last_eval_report
+                self.summary = {"eval_success_before_rl": before.get("eval/success"), **warm, "heldout": heldout}
+                if warm or before:
+                    logger.log(0, {**warm, **before})
+                monitor.update(0, before)
+                if before:
+                    self.progress("eval", {"step": 0, **before})
+                self.save_checkpoint()  # step 0: a kill from here on resumes without redoing the warm start
+            total = self.cfg.train.steps
+            engine = self.make_engine(last_step=total if stop_after is None else min(total, stop_after))
+            try:
+                if engine.name != "sync":
+                    self.publish(engine, self.step)
+                engine.start(self.step)
+                self.progress("phase", {"phase": "RL"})
+                while self.step < total:
+                    if stop_after is not None and self.step >= stop_after:
+                        break
+                    step = self.step + 1
+                    started = time.monotonic()
+                    teacher_step = self.teacher_samples(step)
+                    if teacher_step and engine.name == "sync":
                         rollouts = self.teacher_rollouts(step)
-                    elif self.cfg.algo.dynamic_sampling:
-                        rollouts = self.dynamic_fill(engine, step, rollouts)
-                row = self.rl_step(step, rollouts, started)
-                self.publish(engine, step)
-                if step % self.cfg.train.eval_every == 0 or step == total:
-                    row.update(self.evaluate())
-                    if step == total:  # kept in the checkpoint with the summary
-                        self.summary.setdefault("heldout", {})["final"] = self.last_eval_report
-                self.step = step
-                events = monitor.update(step, row)
-                row.update({f"alarm/{event.name}": 1.0 for event in events})
-                logger.log(step, row)
-                self.progress("step", {"step": step, "total": total, **row})
-                stop = self._raise_alarms(events, rollouts.trajectories)
-                if stop or step % self.cfg.train.checkpoint_every == 0 or step == total:
-                    self.save_checkpoint()
-                if stop:
-                    self.summary["stopped_by_alarm"] = stop
-                    break
-        finally:
-            engine.close()
-            logger.close()
-        if self.step >= total or "stopped_by_alarm" in self.summary:
-            last = [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines()]
-            evals = [row["eval/success"] for row in last if "eval/success" in row]
-            self.summary.update({"eval_success_after_rl": evals[-1] if evals else None, "steps": self.step,
-                                 "skipped_updates": self.skipped_steps, "preset": self.cfg.algo.preset})
-            self.summary.update(_lift_summary(self.summary.get("heldout", {})))
-            self.summary["plots"] = [str(p) for p in plot_run(self.run_dir)]
-            atomic_write_text(self.run_dir / "summary.json", json.dumps(self.summary, indent=2))
+                    else:
+                        rollouts = engine.batch(step)  # (an async engine's batch is made anyway: keep its stream)
+                        if teacher_step:
+                            rollouts = self.teacher_rollouts(step)
+                        elif self.cfg.algo.dynamic_sampling:
+                            rollouts = self.dynamic_fill(engine, step, rollouts)
+                    row = self.rl_step(step, rollouts, started)
+                    self.publish(engine, step)
+                    if step % self.cfg.train.eval_every == 0 or step == total:
+                        row.update(self.evaluate())
+                        if step == total:  # kept in the checkpoint with the summary
+                            self.summary.setdefault("heldout", {})["final"] = self.last_eval_report
+                    self.step = step
+                    events = monitor.update(step, row)
+                    row.update({f"alarm/{event.name}": 1.0 for event in events})
+                    logger.log(step, row)
+                    self.progress("step", {"step": step, "total": total, **row})
+                    stop = self._raise_alarms(events, rollouts.trajectories)
+                    if stop or step % self.cfg.train.checkpoint_every == 0 or step == total:
+                        self.save_checkpoint()
+                    if stop:
+                        self.summary["stopped_by_alarm"] = stop
+                        break
+            finally:
+                engine.close()
+            if self.step >= total or "stopped_by_alarm" in self.summary:
+                last = [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines()]
+                evals = [row["eval/success"] for row in last if "eval/success" in row]
+                self.summary.update({"eval_success_after_rl": evals[-1] if evals else None, "steps": self.step,
+                                     "skipped_updates": self.skipped_steps, "preset": self.cfg.algo.preset})
+                self.summary.update(_lift_summary(self.summary.get("heldout", {})))
+                self.summary["plots"] = [str(p) for p in plot_run(self.run_dir)]
+                atomic_write_text(self.run_dir / "summary.json", json.dumps(self.summary, indent=2))
+                logger.log_summary(self.summary)
         return self.summary
 
 
