@@ -68,6 +68,9 @@ def _cmd_config(args: argparse.Namespace) -> int:
         Console(width=160).print(table)
         return 0
     cfg = load_config(args.config, args.overrides)
+    from keelrl.envs.registry import resolve_env
+
+    resolve_env(cfg)  # an unregistered env.name fails here, listing the registered ones
     sys.stdout.write(dump_config(cfg))
     return 0
 
