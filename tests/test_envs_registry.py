@@ -88,7 +88,7 @@ def registry():
 # -- the registry ---------------------------------------------------------------------------
 
 def test_the_built_in_environments_are_registered():
-    assert list(ENVIRONMENTS)[:2] == ["coding", "guess"]
+    assert list(ENVIRONMENTS)[:3] == ["coding", "guess", "reasoning_gym"]
     assert env_spec("guess").answer_tools == ("guess",) and env_spec("coding").answer_tools == PATCH_TOOLS
     assert env_spec("guess").verifiers == ("strong", "weak")
     assert env_spec("coding").verifiers == ("strong", "weak", "brittle")
@@ -117,13 +117,13 @@ def test_an_unknown_name_fails_at_lookup_listing_the_registered_names(registry, 
         resolve_env(cfg)
     assert info.value.field == "env.name"
     assert "unknown environment 'nope'" in str(info.value)
-    assert "valid names: coding, guess" in str(info.value)
+    assert "valid names: coding, guess, reasoning_gym" in str(info.value)
     register_env(say_spec())  # the list is read from the registry
-    with pytest.raises(ConfigError, match="valid names: coding, guess, say"):
+    with pytest.raises(ConfigError, match="valid names: coding, guess, reasoning_gym, say"):
         resolve_env(cfg)
     assert main(["config", "env.name=nope"]) == 2
     err = capsys.readouterr().err
-    assert "env.name: unknown environment 'nope'" in err and "coding, guess, say" in err
+    assert "env.name: unknown environment 'nope'" in err and "coding, guess, reasoning_gym, say" in err
 
 
 def test_the_trainer_rejects_an_unknown_name_before_loading_any_model(tmp_path):

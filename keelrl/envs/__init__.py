@@ -1,5 +1,5 @@
 """Multi-turn text environments: the protocol, the registry of environment kinds, the coding
-bug-fix tasks, the guessing game."""
+bug-fix tasks, the guessing game, reasoning-gym's datasets."""
 
 from typing import TYPE_CHECKING, Any
 

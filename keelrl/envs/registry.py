@@ -4,7 +4,7 @@ An `EnvSpec` is everything the trainer needs to know about one kind of environme
 (train, held-out) tasks come from, how to build its environments (graded by the training
 verifier for rollouts, by the strong verifier for held-out evaluation), the scripted teacher
 of the warm start, which tool calls are an episode's answer, and which verifier names and
-config values it accepts. `coding` and `guess` are registered here; a user's
+config values it accepts. `coding`, `guess` and `reasoning_gym` are registered here; a user's
 environment plugs in either way:
 
     register_env(EnvSpec(name="mine", tasks=..., train_env=..., eval_env=...))   # before load_config
@@ -228,9 +228,39 @@ def _guess_teacher(cfg: KeelConfig) -> DemoTeacher:
     return BinarySearchTeacher(mistake_rate=cfg.warm_start.mistake_rate, seed=cfg.seed)
 
 
+# ------------------------------------------------------------------------------ reasoning gym
+
+def _rg_tasks(cfg: KeelConfig) -> tuple[list[Any], list[Any]]:
+    from keelrl.envs.reasoning_gym import rg_tasks
+
+    tasks = rg_tasks(cfg.env.dataset, cfg.env.rg_size, cfg.env.rg_seed)
+    return split_tasks(tasks, cfg.env.split_seed, f"env.dataset={cfg.env.dataset} with env.rg_size={cfg.env.rg_size}")
+
+
+def _rg_env(cfg: KeelConfig, training: bool) -> EnvFactory:
+    from keelrl.envs.reasoning_gym import ReasoningGymEnvFactory
+
+    env = cfg.env
+    return ReasoningGymEnvFactory(env.dataset, env.rg_size, env.rg_seed, max_turns=env.max_turns,
+                                  show_tools=env.show_tools)
+
+
+def _rg_teacher(cfg: KeelConfig) -> DemoTeacher:
+    from keelrl.envs.reasoning_gym import ReferenceAnswerTeacher
+
+    return ReferenceAnswerTeacher()
+
+
+def _rg_validate(env: EnvConfig) -> None:
+    from keelrl.envs.reasoning_gym import check_dataset
+
+    check_dataset(env.dataset)
+
+
 def _register_builtins() -> None:
     from keelrl.alarms import PATCH_TOOLS
     from keelrl.envs.guess import GUESS_VERIFIERS
+    from keelrl.envs.reasoning_gym import ANSWER_TOOL, RG_VERIFIERS
 
     register_env(EnvSpec(name="coding", tasks=_coding_tasks, train_env=lambda cfg: _coding_env(cfg, True),
                          eval_env=lambda cfg: _coding_env(cfg, False), teacher=_coding_teacher,
@@ -238,6 +268,10 @@ def _register_builtins() -> None:
     register_env(EnvSpec(name="guess", tasks=_guess_tasks, train_env=lambda cfg: _guess_env(cfg, True),
                          eval_env=lambda cfg: _guess_env(cfg, False), teacher=_guess_teacher,
                          answer_tools=("guess",), verifiers=GUESS_VERIFIERS, title="the guessing game"))
+    register_env(EnvSpec(name="reasoning_gym", tasks=_rg_tasks, train_env=lambda cfg: _rg_env(cfg, True),
+                         eval_env=lambda cfg: _rg_env(cfg, False), teacher=_rg_teacher,
+                         answer_tools=(ANSWER_TOOL,), verifiers=RG_VERIFIERS, validate=_rg_validate,
+                         title="env.name=reasoning_gym"))
 
 
 _register_builtins()
