@@ -162,6 +162,18 @@ def test_a_scorer_that_fails_is_a_verifier_error_not_a_zero(tasks):
         graded(ReasoningGymEnv(OutOfRange()), tasks[0], answer_action("1"))
 
 
+@pytest.mark.parametrize("score, reward", [(1.0000000000000002, 1.0), (0.9999999999999999, 1.0), (-1e-12, 0.0),
+                                           (0.25, 0.25)])
+def test_a_score_off_by_rounding_counts_as_its_whole_number(tasks, score, reward):
+    """spell_backward adds 1/n n times: a perfect prefix scores 1.0000000000000002 or 0.9999999999999999."""
+    class Rounding:
+        def score_answer(self, answer, entry):
+            return score
+
+    grade = graded(ReasoningGymEnv(Rounding()), tasks[0], answer_action("1"))
+    assert grade.reward == reward and grade.success is (reward == 1.0)
+
+
 def test_the_split_is_deterministic_by_task_id(tmp_path):
     cfg = load_config(overrides=[*RG, f"run_dir={tmp_path}"])
     spec = resolve_env(cfg)

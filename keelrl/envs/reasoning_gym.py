@@ -28,6 +28,8 @@ credit is the score and strict success is a perfect score:
 
 Training and held-out evaluation grade alike (the only verifier is `strong`). A score_answer that
 raises, or returns anything but a number in [0, 1], raises VerifierError: never a made-up reward.
+A score within `SCORE_TOLERANCE` of 0 or 1 is taken as 0 or 1: float rounding (spell_backward adds
+1/n n times and returns 1.0000000000000002 or 0.9999999999999999 for a perfect prefix).
 
 The scripted teacher writes the entry's reference answer (entry["answer"]); datasets whose entries
 have none (their answers are checked by simulation) cannot warm-start. reasoning-gym is imported
@@ -58,6 +60,9 @@ RG_TOOLS = {ANSWER_TOOL: ToolSpec(ANSWER_TOOL, "<call>answer ANSWER</call>",
 RG_VERIFIERS = ("strong",)
 """The one verifier: the dataset's own score_answer (training and held-out alike)."""
 INSTALL_HINT = "pip install 'keelrl[reasoning-gym]'"
+SCORE_TOLERANCE = 1e-9
+"""A score this close to 0 or 1 is float rounding and counts as 0 or 1; farther outside [0, 1] is a
+VerifierError."""
 
 
 def import_reasoning_gym() -> Any:
@@ -206,9 +211,12 @@ class ReasoningGymEnv:
         except Exception as error:  # noqa: BLE001 - the verifier failed: reported, never a zero reward
             raise VerifierError(f"{self.task.dataset}.score_answer raised {error!r} on {self.task.id}") from error
         if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score) \
-                or not 0.0 <= score <= 1.0:
+                or not -SCORE_TOLERANCE <= score <= 1.0 + SCORE_TOLERANCE:
             raise VerifierError(f"{self.task.dataset}.score_answer returned {score!r} on {self.task.id}; "
                                 f"expected a number in [0, 1]")
+        for whole in (0.0, 1.0):
+            if abs(score - whole) <= SCORE_TOLERANCE:
+                return whole
         return float(score)
 
     def grade(self) -> Grade:
