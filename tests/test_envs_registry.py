@@ -196,6 +196,23 @@ def test_guess_factories_and_teacher(tmp_path):
                                                                             for t in train_tasks)
 
 
+def test_a_spec_without_answer_tools_counts_every_action_as_the_answer():
+    from keelrl.alarms import distinct_patches
+    from keelrl.rollout.trajectory import Trajectory
+
+    def trajectory(*actions: str) -> Trajectory:
+        t = Trajectory("t", 0)
+        t.actions = list(actions)
+        return t
+
+    assert say_spec(answer_tools=()).answer_tools == ()
+    group = [trajectory("<call>say ab</call>"), trajectory("<call>say ab</call> "), trajectory("ab"),
+             trajectory("cd")]
+    assert distinct_patches([group], ()) == 3.0
+    assert distinct_patches([group], ("say",)) == 2.0  # "ab" and "cd" are no calls: both empty answers
+    assert distinct_patches([group]) == 1.0  # the coding tools: no edits anywhere
+
+
 def test_split_tasks_names_the_source_when_a_side_is_empty():
     with pytest.raises(ValueError, match="WORDS gives 1 train and 0 held-out tasks"):
         split_tasks(WORDS[:1], 0, "WORDS")
