@@ -157,12 +157,14 @@ PATCH_TOOLS = ("replace", "edit")
 
 def distinct_patches(groups: list[list[Any]], tools: tuple[str, ...] = PATCH_TOOLS) -> float:
     """Mean number of distinct answers per group: a trajectory's answer is its sequence of calls
-    to `tools` (coding: its edits, i.e. its patch; the guessing game: its guesses)."""
+    to `tools` (coding: its edits, i.e. its patch; the guessing game: its guesses), or of all
+    its actions when `tools` is empty."""
     if not groups:
         return 0.0
     prefixes = tuple(f"<call>{tool}" for tool in tools)
     counts = []
     for group in groups:
-        patches = {"\n".join(a.strip() for a in t.actions if a.lstrip().startswith(prefixes)) for t in group}
+        patches = {"\n".join(a.strip() for a in t.actions if not tools or a.lstrip().startswith(prefixes))
+                   for t in group}
         counts.append(len(patches))
     return sum(counts) / len(counts)

@@ -70,13 +70,15 @@ def warm_start(cfg: KeelConfig, out: str | Path) -> Path:
 
 
 def with_paths(cfg: KeelConfig, *, model: str | Path | None = None, tasks: str | Path | None = None,
-               run_dir: str | Path | None = None) -> KeelConfig:
-    """`cfg` with model.path, env.tasks and run_dir set where given, validated again.
+               run_dir: str | Path | None = None, env_name: str | None = None) -> KeelConfig:
+    """`cfg` with model.path, env.tasks, run_dir and env.name set where given, validated again.
 
     The values are set as strings, not parsed as YAML: a path named `1e3` or `true` stays a path."""
-    if model is None and tasks is None and run_dir is None:
+    if model is None and tasks is None and run_dir is None and (env_name is None or env_name == cfg.env.name):
         return cfg
     data = to_dict(cfg)
+    if env_name is not None:
+        data["env"]["name"] = env_name
     if model is not None:
         data["model"]["path"] = str(model)
     if tasks is not None:

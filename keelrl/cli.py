@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -70,6 +71,9 @@ def _cmd_config(args: argparse.Namespace) -> int:
         Console(width=160).print(table)
         return 0
     cfg = load_config(args.config, args.overrides)
+    from keelrl.envs.registry import resolve_env
+
+    resolve_env(cfg)  # an unregistered env.name fails here, listing the registered ones
     sys.stdout.write(dump_config(cfg))
     return 0
 
@@ -255,9 +259,11 @@ def _cmd_lab(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_audit(args: argparse.Namespace) -> int:
-    from rich.progress import Progress
+_ANSWER_AUDIT_FLAGS = ("dataset", "rg_size", "rg_seed")
+"""`keel audit` flags of --env reasoning_gym (the env.* config fields of the same names)."""
 
+
+def _cmd_audit(args: argparse.Namespace) -> int:
     from keelrl.audit import AuditError, planted_secret, print_report, run_audit
     from keelrl.envs.base import VerifierError
     from keelrl.envs.tasks import TaskError
@@ -267,6 +273,12 @@ def _cmd_audit(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             print(f"keel: --{name} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
             return 2
+    if args.env == "reasoning_gym":
+        return _audit_answers(args)
+    given = [f"--{name.replace('_', '-')}" for name in _ANSWER_AUDIT_FLAGS if getattr(args, name) is not None]
+    if given:
+        print(f"keel: {', '.join(given)} go with --env reasoning_gym", file=sys.stderr)
+        return 2
     try:
         tasks = _load_task_source(args.tasks, "all", 0)
     except (TaskError, OSError) as error:
@@ -278,18 +290,53 @@ def _cmd_audit(args: argparse.Namespace) -> int:
         return 2
     # The canary lives in this process's environment only while the audit runs: a sandbox that
     # passed the parent's environment on would hand it to the secret_env probe.
-    with planted_secret(), Progress(transient=True, console=Console(stderr=True)) as progress:
-        bar = progress.add_task(f"auditing {len(tasks)} tasks ({args.verifier})", total=len(tasks))
+    return _run_audit(args, f"auditing {len(tasks)} tasks ({args.verifier})", len(tasks),
+                      lambda progress: run_audit(tasks, args.verifier, workers=args.workers, progress=progress),
+                      print_report, (AuditError, VerifierError, SandboxError), planted_secret())
+
+
+def _audit_answers(args: argparse.Namespace) -> int:
+    """`keel audit --env reasoning_gym`: the answer probes of keelrl.audit.reasoning_gym."""
+    from keelrl.audit.reasoning_gym import print_answer_report, run_answer_audit
+    from keelrl.config import load_config
+    from keelrl.envs.base import VerifierError
+    from keelrl.envs.reasoning_gym import ReasoningGymEnvFactory, rg_tasks
+
+    for flag, value, default in (("--tasks", args.tasks, "bundled"), ("--workers", args.workers, None),
+                                 ("--verifier", args.verifier, "strong")):
+        if value != default:
+            print(f"keel: {flag} is for --env coding (reasoning_gym is scored by the dataset alone)", file=sys.stderr)
+            return 2
+    overrides = ["env.name=reasoning_gym", f"env.dataset={args.dataset or ''}",
+                 *(f"env.{name}={getattr(args, name)}" for name in ("rg_size", "rg_seed")
+                   if getattr(args, name) is not None)]
+    env = load_config(None, overrides).env  # checks the dataset (and that reasoning-gym is installed)
+    tasks = rg_tasks(env.dataset, env.rg_size, env.rg_seed)
+    tasks = tasks[:args.limit] if args.limit is not None else tasks
+    make_env = ReasoningGymEnvFactory(env.dataset, env.rg_size, env.rg_seed, max_turns=1)
+    return _run_audit(args, f"auditing {len(tasks)} tasks of {env.dataset}", len(tasks),
+                      lambda progress: run_answer_audit(tasks, make_env, progress=progress),
+                      print_answer_report, (VerifierError,))
+
+
+def _run_audit(args: argparse.Namespace, label: str, total: int, run: Callable[[Callable[[int], None]], Any],
+               show: Callable[[Any, Console], None], errors: tuple[type[Exception], ...],
+               context: ContextManager[Any] = contextlib.nullcontext()) -> int:
+    """`run(progress)` under `context` with a progress bar, then its report (table or JSON): exit 1
+    when the report is flagged, 2 when the audit failed with one of `errors`."""
+    from rich.progress import Progress
+
+    with context, Progress(transient=True, console=Console(stderr=True)) as progress:
+        bar = progress.add_task(label, total=total)
         try:
-            report = run_audit(tasks, args.verifier, workers=args.workers,
-                               progress=lambda done: progress.update(bar, completed=done))
-        except (AuditError, VerifierError, SandboxError) as error:
+            report = run(lambda done: progress.update(bar, completed=done))
+        except errors as error:
             print(f"keel: audit failed: {error}", file=sys.stderr)
             return 2
     if args.format == "json":
         print(json.dumps(report.to_dict(), indent=2))
     else:
-        print_report(report, Console(width=max(Console().width, 160)))
+        show(report, Console(width=max(Console().width, 160)))
     return 1 if report.flagged else 0
 
 
@@ -382,6 +429,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     audit = sub.add_parser("audit", help="run cheating and rewritten solutions through every task's env and "
                                          "verifier; exit 1 if a cheat scores or a correct rewrite is rejected")
+    audit.add_argument("--env", choices=("coding", "reasoning_gym"), default="coding",
+                       help="coding: the bug-fix tasks' verifiers; reasoning_gym: a dataset's score_answer "
+                            "(cheats must score below 1, correct answers 1)")
+    audit.add_argument("--dataset", help="--env reasoning_gym: the dataset (env.dataset)")
+    audit.add_argument("--rg-size", type=int, dest="rg_size", help="--env reasoning_gym: entries generated "
+                                                                   "(env.rg_size)")
+    audit.add_argument("--rg-seed", type=int, dest="rg_seed", help="--env reasoning_gym: generation seed "
+                                                                   "(env.rg_seed)")
     audit.add_argument("--tasks", default="bundled", help="a tasks .jsonl file, or 'bundled'")
     audit.add_argument("--verifier", choices=list(VERIFIERS), default="strong", help="the verifier to audit")
     audit.add_argument("--format", choices=("table", "json"), default="table")

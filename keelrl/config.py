@@ -88,19 +88,26 @@ class EnvConfig:
     """The tasks and environment the agent trains and is evaluated on."""
 
     name: str = "coding"
-    """coding (bug-fix tasks in the sandbox) or guess (the number-guessing game: fast, for
-    credit-assignment experiments)."""
+    """A registered environment (keelrl.envs.registry): coding (bug-fix tasks in the sandbox), guess
+    (the number-guessing game: fast, for credit-assignment experiments) or reasoning_gym (a
+    reasoning-gym dataset, `dataset`, scored by its own score_answer)."""
     tasks: str = "bundled"
     """Coding: 'bundled' or a tasks .jsonl file (split into train/heldout by `split_seed`)."""
     guess_n: int = 16
     """Guess: secrets are drawn from 1..guess_n."""
     guess_tasks: int = 2000
     """Guess: number of generated tasks (split into train/heldout by `split_seed`)."""
+    dataset: str = ""
+    """Reasoning gym: the dataset's name in reasoning-gym's registry, e.g. chain_sum."""
+    rg_size: int = 1000
+    """Reasoning gym: number of generated tasks (split into train/heldout by `split_seed`)."""
+    rg_seed: int = 0
+    """Reasoning gym: the dataset's generation seed."""
     split_seed: int = 0
     """Seed of the deterministic train/held-out split."""
     verifier: str = "strong"
-    """Verifier of the training reward: strong, weak or brittle (the guessing game: strong or weak).
-    Held-out evaluation always uses strong."""
+    """Verifier of the training reward: strong, weak or brittle (the guessing game: strong or weak;
+    reasoning gym: strong, the dataset's own scoring). Held-out evaluation always uses strong."""
     partial_credit: bool = False
     """Training reward = (weighted) fraction of checks passed instead of all-or-nothing. It gives
     a model that rarely passes every check a signal (the tiny recipe uses it), but an untouched
@@ -120,20 +127,14 @@ class EnvConfig:
     can already be the fix; with max_turns=1 an episode is one edit, then grading."""
 
     def __post_init__(self) -> None:
-        from keelrl.verifiers import VERIFIERS
+        from keelrl.envs.registry import ENVIRONMENTS, check_env_section
 
-        if self.verifier not in VERIFIERS:
-            raise ConfigError("verifier", f"unknown verifier {self.verifier!r}; valid names: {', '.join(VERIFIERS)}")
         _positive(max_turns=self.max_turns, key_check_weight=self.key_check_weight, guess_n=self.guess_n,
-                  guess_tasks=self.guess_tasks)
-        if self.name not in ("coding", "guess"):
-            raise ConfigError("name", f"unknown environment {self.name!r}; valid names: coding, guess")
-        if self.name == "guess":
-            from keelrl.envs.guess import GUESS_VERIFIERS
-
-            if self.verifier not in GUESS_VERIFIERS:
-                raise ConfigError("verifier", f"the guessing game has no verifier {self.verifier!r}; "
-                                              f"valid names: {', '.join(GUESS_VERIFIERS)}")
+                  guess_tasks=self.guess_tasks, rg_size=self.rg_size)
+        # An unregistered name is no error here: Trainer(cfg, env=spec) may bring its spec. It fails
+        # at the lookup (`env_spec`: the Trainer's first step, and `keel config`), listing the names.
+        if self.name in ENVIRONMENTS:
+            check_env_section(self, ENVIRONMENTS[self.name])
 
 
 @dataclasses.dataclass
@@ -563,6 +564,10 @@ class KeelConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not _DEVICE_PATTERN.match(self.device):
             raise ConfigError("device", f"must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
+        from keelrl.envs.registry import ENVIRONMENTS, check_run_config
+
+        if self.env.name in ENVIRONMENTS:
+            check_run_config(self, ENVIRONMENTS[self.env.name])
         if self.distill.mode == "self" and self.env.name != "coding":
             raise ConfigError("distill.mode", f"self-distillation shows the teacher each task's reference fix, which "
                                               f"only env.name=coding has (got env.name={self.env.name!r})")

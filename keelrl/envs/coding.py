@@ -30,7 +30,7 @@ import subprocess
 import tempfile
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from keelrl.envs.base import Grade
 from keelrl.envs.tasks import Task
@@ -262,3 +262,27 @@ def _write(path: Path, text: str) -> None:
 
 def _safe(text: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in text)[:40]
+
+
+class CodingEnvFactory:
+    """A picklable `make_env` for CodingEnv (Ray workers build their own sandbox and verifier)."""
+
+    def __init__(self, verifier: str, *, partial_credit: bool = True, max_turns: int = 6,
+                 show_tools: bool = False, show_file: bool = False, key_weight: float = 1.0,
+                 hidden_paths: Sequence[str] = ()) -> None:
+        self.verifier, self.partial_credit, self.key_weight = verifier, partial_credit, key_weight
+        self.hidden_paths = list(hidden_paths)
+        self.max_turns, self.show_tools, self.show_file = max_turns, show_tools, show_file
+        self._built: tuple[Sandbox, Any] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_built": None}
+
+    def __call__(self) -> CodingEnv:
+        if self._built is None:
+            sandbox = Sandbox(DEFAULT_LIMITS, hidden_paths=self.hidden_paths or None)
+            self._built = (sandbox, make_verifier(self.verifier, sandbox, partial_credit=self.partial_credit,
+                                                  key_weight=self.key_weight))
+        sandbox, verifier = self._built
+        return CodingEnv(verifier, sandbox=sandbox, max_turns=self.max_turns, show_tools=self.show_tools,
+                         show_file=self.show_file)

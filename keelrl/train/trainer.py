@@ -52,11 +52,10 @@ from keelrl.algos.config import AlgoConfig
 from keelrl.algos.distill import forward_kl, generalized_jsd, reverse_kl, sampled_reverse_kl, top_token_disagreement
 from keelrl.algos.losses import aggregate, kl_reward_penalty, token_view
 from keelrl.config import KeelConfig, dump_config, to_dict
-from keelrl.envs.coding import CodingEnv
-from keelrl.envs.guess import BinarySearchTeacher, GuessEnvFactory
+from keelrl.envs.coding import CodingEnvFactory  # noqa: F401 - still importable from here
+from keelrl.envs.registry import EnvSpec, coding_hidden_paths, resolve_env
 from keelrl.envs.tasks import Task
-from keelrl.envs.teacher import ScriptedTeacher
-from keelrl.alarms import PATCH_TOOLS, AlarmEvent, AlarmMonitor, distinct_patches
+from keelrl.alarms import AlarmEvent, AlarmMonitor, distinct_patches
 from keelrl.monitor import MetricsLogger, plot_run, read_metrics, truncate_jsonl
 from keelrl.sinks import check_sinks
 from keelrl.train.episodes import TokenRecord, episode_rows, write_episodes
@@ -72,35 +71,18 @@ from keelrl.rollout.agent_loop import RolloutConfig, model_actor, run_episodes, 
 from keelrl.rollout.engines import LocalEngine, RolloutEngine, StepRollouts
 from keelrl.rollout.scheduler import GroupRequest
 from keelrl.rollout.trajectory import Batch, Trajectory, collate
-from keelrl.sandbox import Sandbox, default_hidden_paths
 from keelrl.train.checkpoint import (CheckpointError, atomic_write_text, forget_checkpoints, fsync_tree,
                                      latest_checkpoint, save_checkpoint)
 from keelrl.train.dynamic import fill_batch
 from keelrl.train.prm import ProcessRewardModel, classification_metrics, labelled_turns, process_advantages
 from keelrl.train.evaluation import finite_or_none, heldout_report, paired_difference
-from keelrl.verifiers import DEFAULT_LIMITS, make_verifier
 
 
-def load_task_splits(cfg: KeelConfig) -> tuple[list[Any], list[Any]]:
-    """(train, heldout) tasks of the configured source and split seed."""
-    from keelrl.envs.coding_tasks import bundled_tasks
-    from keelrl.envs.tasks import load_tasks, split_of
-
-    tasks: Sequence[Any]
-    if cfg.env.name == "guess":
-        from keelrl.envs.guess import guess_tasks
-
-        tasks = guess_tasks(cfg.env.guess_tasks, cfg.env.guess_n, seed=cfg.env.split_seed)
-    elif cfg.env.tasks == "bundled":
-        tasks = bundled_tasks(None, seed=cfg.env.split_seed)
-    else:
-        tasks = load_tasks(cfg.env.tasks)
-    train = [t for t in tasks if split_of(t.id, cfg.env.split_seed) == "train"]
-    heldout = [t for t in tasks if split_of(t.id, cfg.env.split_seed) == "heldout"]
-    if not train or not heldout:
-        raise ValueError(f"env.tasks {cfg.env.tasks!r} gives {len(train)} train and {len(heldout)} held-out tasks; "
-                         f"both must be non-empty")
-    return train, heldout
+def load_task_splits(cfg: KeelConfig, env: EnvSpec | None = None) -> tuple[list[Any], list[Any]]:
+    """(train, heldout) tasks of the run's environment (`env`, else the one registered as env.name)."""
+    spec = resolve_env(cfg, env)
+    train, heldout = spec.tasks(cfg)
+    return list(train), list(heldout)
 
 
 def context_limit_frac(trajectories: Sequence[Trajectory]) -> float:
@@ -251,45 +233,29 @@ EXTRA_INDEX_BASE = 1 << 40
 """Request indices of dynamic sampling's extra groups start here (apart from the step stream)."""
 
 
-class CodingEnvFactory:
-    """A picklable `make_env` for CodingEnv (Ray workers build their own sandbox and verifier)."""
-
-    def __init__(self, verifier: str, *, partial_credit: bool = True, max_turns: int = 6,
-                 show_tools: bool = False, show_file: bool = False, key_weight: float = 1.0,
-                 hidden_paths: Sequence[str] = ()) -> None:
-        self.verifier, self.partial_credit, self.key_weight = verifier, partial_credit, key_weight
-        self.hidden_paths = list(hidden_paths)
-        self.max_turns, self.show_tools, self.show_file = max_turns, show_tools, show_file
-        self._built: tuple[Sandbox, Any] | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_built": None}
-
-    def __call__(self) -> CodingEnv:
-        if self._built is None:
-            sandbox = Sandbox(DEFAULT_LIMITS, hidden_paths=self.hidden_paths or None)
-            self._built = (sandbox, make_verifier(self.verifier, sandbox, partial_credit=self.partial_credit,
-                                                  key_weight=self.key_weight))
-        sandbox, verifier = self._built
-        return CodingEnv(verifier, sandbox=sandbox, max_turns=self.max_turns, show_tools=self.show_tools,
-                         show_file=self.show_file)
-
-
 class Trainer:
     """Runs one training job into cfg.run_dir (see the module docstring).
 
-    `model`, `tasks` and `run_dir`, where given, replace model.path (a local HF causal LM, a
-    .gguf file or a registered name), env.tasks (a task .jsonl file) and run_dir in `cfg`
-    (`keelrl.api.with_paths`). `progress(event, info)` hears of phases, evaluations, steps and
-    alarms as they happen."""
+    `env`: the environment to train on, overriding the one registered as `cfg.env.name` (which is
+    set to `env.name`): a user's `EnvSpec` plugs in here without registering a name. `model`,
+    `tasks` and `run_dir`, where given, replace model.path (a local HF causal LM, a .gguf file or
+    a registered name), env.tasks (a task .jsonl file) and run_dir in `cfg`
+    (`keelrl.api.with_paths`). The environment is resolved and checked against the config first,
+    before any model loads. `progress(event, info)` hears of phases, evaluations, steps and
+    alarms as they happen. Stable public API: `Trainer(cfg, progress=None, env=None, *, model=None,
+    tasks=None, run_dir=None)`.
+    """
 
-    def __init__(self, cfg: KeelConfig, progress: Callable[[str, dict[str, Any]], None] | None = None, *,
-                 model: str | Path | None = None, tasks: str | Path | None = None,
+    def __init__(self, cfg: KeelConfig, progress: Callable[[str, dict[str, Any]], None] | None = None,
+                 env: EnvSpec | None = None, *, model: str | Path | None = None, tasks: str | Path | None = None,
                  run_dir: str | Path | None = None) -> None:
         from keelrl.api import with_paths
 
-        cfg = with_paths(cfg, model=model, tasks=tasks, run_dir=run_dir)
+        cfg = with_paths(cfg, model=model, tasks=tasks, run_dir=run_dir,
+                         env_name=env.name if isinstance(env, EnvSpec) else None)
         self.cfg = cfg
+        self.env_spec = resolve_env(cfg, env)
+        """The run's environment kind (keelrl.envs.registry)."""
         self.run_dir = Path(cfg.run_dir)
         check_sinks(cfg.log, self.run_dir)  # a missing wandb/mlflow fails now, before the model loads
         self.progress = progress or (lambda event, info: None)
@@ -310,7 +276,7 @@ class Trainer:
         if cfg.algo.kl_coef > 0:
             self.reference, _ = load_policy(cfg.model.path, self.device)
             self.reference.eval().requires_grad_(False)
-        self.train_tasks, self.heldout_tasks = load_task_splits(cfg)
+        self.train_tasks, self.heldout_tasks = load_task_splits(cfg, self.env_spec)
         self.teacher: Teacher | None = None
         if cfg.distill.mode != "none":
             self.teacher = Teacher(cfg.distill, self.model, self.tokenizer, student_name=cfg.model.path,
@@ -330,11 +296,10 @@ class Trainer:
                                          CurriculumConfig(band=(c.band_low, c.band_high), probe_weight=c.probe_weight,
                                                           advance_at=c.advance_at, min_attempts=c.min_attempts),
                                          seed=cfg.seed)
-        self.run_dir.mkdir(parents=True, exist_ok=True)  # exists before the sandbox hides it
-        self.sandbox = Sandbox(DEFAULT_LIMITS, hidden_paths=self.hidden_paths())
-        self.train_verifier = make_verifier(cfg.env.verifier, self.sandbox, partial_credit=cfg.env.partial_credit,
-                                            key_weight=cfg.env.key_check_weight)
-        self.eval_verifier = make_verifier("strong", self.sandbox)
+        self.run_dir.mkdir(parents=True, exist_ok=True)  # exists before a sandbox hides it
+        # Built once: the warm start, evaluations and teacher rollouts share each factory (a coding
+        # factory builds its sandbox and verifier once, on first use).
+        self._local_envs = {True: self.env_spec.train_env(cfg), False: self.env_spec.eval_env(cfg)}
         self.optimizer = self._optimizer(cfg.train.lr)
         self.step = 0
         self.skipped_steps = 0
@@ -376,12 +341,8 @@ class Trainer:
         return params
 
     def hidden_paths(self) -> list[str]:
-        """What the sandbox hides from the code it runs: keelrl's source, the directory the run
-        started in, the run directory (checkpoints, solved transcripts) and the task file."""
-        paths = [*default_hidden_paths(), Path(self.cfg.run_dir).resolve()]
-        if self.cfg.env.tasks != "bundled":
-            paths.append(Path(self.cfg.env.tasks).resolve())
-        return [str(path) for path in paths]
+        """What the coding sandbox hides from the code it runs (`coding_hidden_paths`)."""
+        return coding_hidden_paths(self.cfg)
 
     def _eval_model(self) -> Any:
         """The policy as evaluation samples it: itself, or a copy of its current weights in
@@ -404,17 +365,14 @@ class Trainer:
         return torch.optim.AdamW(self._parameters(), lr=lr, weight_decay=self.cfg.train.weight_decay)
 
     def _env(self, training: bool) -> Callable[[], Any]:
-        """Environments graded by the training verifier, or by `strong` for the held-out eval."""
-        if self.cfg.env.name == "guess":
-            return GuessEnvFactory(self.cfg.env.max_turns, self.cfg.env.verifier if training else "strong")
-        verifier = self.train_verifier if training else self.eval_verifier
-        return lambda: CodingEnv(verifier, sandbox=self.sandbox, max_turns=self.cfg.env.max_turns,
-                                 show_tools=self.cfg.env.show_tools, show_file=self.cfg.env.show_file)
+        """This process's environments: graded by the training verifier (warm start, teacher
+        rollouts), or by `strong` for the held-out eval."""
+        return self._local_envs[training]
 
     @property
     def _answer_tools(self) -> tuple[str, ...]:
         """The tools whose calls are an episode's answer, for the distinct-answers metric."""
-        return ("guess",) if self.cfg.env.name == "guess" else PATCH_TOOLS
+        return self.env_spec.answer_tools
 
     def _rollout_cfg(self, group_size: int) -> RolloutConfig:
         r = self.cfg.rollout
@@ -438,13 +396,9 @@ class Trainer:
                 for i, task in enumerate(chosen)]
 
     def train_env_factory(self) -> Callable[[], Any]:
-        """A picklable factory of training environments (override to wrap them, e.g. in bench/)."""
-        env = self.cfg.env
-        if env.name == "guess":
-            return GuessEnvFactory(env.max_turns, env.verifier)
-        return CodingEnvFactory(env.verifier, partial_credit=env.partial_credit, max_turns=env.max_turns,
-                                show_tools=env.show_tools, show_file=env.show_file, key_weight=env.key_check_weight,
-                                hidden_paths=self.hidden_paths())
+        """A picklable factory of training environments, a fresh one per call, for the rollout
+        engine (override to wrap them, e.g. in bench/)."""
+        return self.env_spec.train_env(self.cfg)
 
     def extra_requests(self, step: int, start: int, count: int) -> list[GroupRequest]:
         """Dynamic sampling's extra groups `start..start+count-1` of step `step` (deterministic)."""
@@ -510,10 +464,8 @@ class Trainer:
         ws = self.cfg.warm_start
         if ws.demos == 0:
             return {}
-        teacher: Any = (BinarySearchTeacher(mistake_rate=ws.mistake_rate, seed=self.cfg.seed)
-                        if self.cfg.env.name == "guess" else
-                        ScriptedTeacher(success_rate=1.0, mistake_rate=ws.mistake_rate, seed=self.cfg.seed,
-                                        read_first=not self.cfg.env.show_file))
+        assert self.env_spec.teacher is not None  # resolve_env: no warm start without a teacher
+        teacher = self.env_spec.teacher(self.cfg)
         rng = random.Random(f"{self.cfg.seed}:demos")
         tasks = [self.train_tasks[i % len(self.train_tasks)] for i in range(ws.demos)]
         rng.shuffle(tasks)

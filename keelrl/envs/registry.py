@@ -1,0 +1,277 @@
+"""Environment kinds, registered by name: what `env.name` selects.
+
+An `EnvSpec` is everything the trainer needs to know about one kind of environment: where its
+(train, held-out) tasks come from, how to build its environments (graded by the training
+verifier for rollouts, by the strong verifier for held-out evaluation), the scripted teacher
+of the warm start, which tool calls are an episode's answer, and which verifier names and
+config values it accepts. `coding`, `guess` and `reasoning_gym` are registered here; a user's
+environment plugs in either way:
+
+    register_env(EnvSpec(name="mine", tasks=..., train_env=..., eval_env=...))   # before load_config
+    Trainer(load_config(overrides=["env.name=mine"])).run()
+
+    Trainer(cfg, env=EnvSpec(name="mine", ...)).run()   # no name registered; cfg.env.name must be "mine"
+
+A duplicate name fails at registration. Config loading validates the environment fields of a
+registered name (verifier, the spec's own checks, a teacher for the warm start); an unknown
+name is not an error there, so that `Trainer(cfg, env=spec)` can take an unregistered spec, and
+fails instead at `env_spec` (the Trainer's first act, and `keel config`), listing the valid
+names from the registry.
+
+Every callable of a spec takes the whole run config, so an environment may read any field.
+`train_env` and `eval_env` return a factory `() -> Env` (keelrl.envs.base's protocol); the
+training factory must pickle, since Ray rollout workers call it in their own processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+
+from keelrl.envs.base import Env, Policy
+from keelrl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from keelrl.config import EnvConfig, KeelConfig
+
+
+class DemoTeacher(Protocol):
+    """A scripted teacher: `policy(task)` gives a `Policy` callable for one episode of `task`."""
+
+    def policy(self, task: Any) -> Policy: ...
+
+
+EnvFactory = Callable[[], Env]
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """One kind of environment (see the module docstring). Stable public API: fields are only added."""
+
+    name: str
+    """The `env.name` that selects it."""
+    tasks: Callable[[KeelConfig], tuple[Sequence[Any], Sequence[Any]]]
+    """cfg -> (train tasks, held-out tasks), disjoint and both non-empty, deterministic in the
+    config. A task is any object with a unique str `id` (and, optionally, a `kind` that the
+    held-out report and the curriculum group by); `split_tasks` splits a list by id."""
+    train_env: Callable[[KeelConfig], EnvFactory]
+    """cfg -> a picklable factory of training environments, graded by the training verifier
+    (`env.verifier`): the reward RL maximises."""
+    eval_env: Callable[[KeelConfig], EnvFactory]
+    """cfg -> a factory of held-out evaluation environments, graded by the strong verifier
+    whatever the training verifier is."""
+    teacher: Callable[[KeelConfig], DemoTeacher] | None = None
+    """cfg -> the scripted teacher whose successful episodes are the warm start's demonstrations;
+    None: the environment has none, and warm_start.demos must be 0."""
+    answer_tools: tuple[str, ...] = ()
+    """The tools whose calls make up an episode's answer (the train/distinct_patches metric and
+    its alarm count distinct answers per group); empty: every action counts."""
+    verifiers: tuple[str, ...] = ("strong",)
+    """The accepted `env.verifier` names (held-out evaluation always uses strong)."""
+    validate: Callable[[EnvConfig], None] | None = None
+    """Further checks of the env section; raises ConfigError naming the field (e.g. "dataset")."""
+    title: str = ""
+    """How error messages name it ("the guessing game"); default: "env.name=NAME"."""
+
+    def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.name, str):
+            raise ValueError(f"an EnvSpec needs a non-empty str name, got {self.name!r}")
+        if not self.verifiers or "strong" not in self.verifiers:
+            raise ValueError(f"EnvSpec {self.name!r}: verifiers must include 'strong' (held-out evaluation "
+                             f"uses it), got {self.verifiers!r}")
+
+    @property
+    def label(self) -> str:
+        return self.title or f"env.name={self.name}"
+
+
+ENVIRONMENTS: dict[str, EnvSpec] = {}
+"""Registered environment kinds by name (`register_env`)."""
+
+
+def register_env(spec: EnvSpec) -> EnvSpec:
+    """Register `spec` under `spec.name` (a duplicate name raises); returns it.
+
+    Register before `load_config`: the config's environment fields are validated against the
+    registered spec when it is built.
+    """
+    if spec.name in ENVIRONMENTS:
+        raise ValueError(f"environment {spec.name!r} is registered twice")
+    ENVIRONMENTS[spec.name] = spec
+    return spec
+
+
+def env_spec(name: str) -> EnvSpec:
+    """The registered spec `name`; ConfigError on env.name listing the valid names otherwise."""
+    spec = ENVIRONMENTS.get(name)
+    if spec is None:
+        raise ConfigError("env.name", f"unknown environment {name!r}; valid names: {', '.join(ENVIRONMENTS)} "
+                                      f"(or pass Trainer(cfg, env=EnvSpec(...)))")
+    return spec
+
+
+def check_env_section(env: EnvConfig, spec: EnvSpec) -> None:
+    """The env section against `spec`: verifier name, then the spec's own checks (fields relative to env)."""
+    if env.verifier not in spec.verifiers:
+        raise ConfigError("verifier", f"{spec.label} has no verifier {env.verifier!r}; "
+                                      f"valid names: {', '.join(spec.verifiers)}")
+    if spec.validate is not None:
+        spec.validate(env)
+
+
+def check_run_config(cfg: KeelConfig, spec: EnvSpec) -> None:
+    """What the rest of the run config needs of `spec` (dotted fields): a teacher for the warm start."""
+    if cfg.warm_start.demos > 0 and spec.teacher is None:
+        raise ConfigError("warm_start.demos", f"{spec.label} has no scripted teacher to demonstrate the warm "
+                                              f"start; set warm_start.demos=0")
+
+
+def resolve_env(cfg: KeelConfig, env: EnvSpec | None = None) -> EnvSpec:
+    """The run's environment: `env` when given (its name must be cfg.env.name), else the one
+    registered as cfg.env.name; validated against the whole config. Raises ConfigError."""
+    if env is None:
+        spec = env_spec(cfg.env.name)
+    else:
+        if not isinstance(env, EnvSpec):
+            raise TypeError(f"env must be an EnvSpec, got {type(env).__name__}")
+        if env.name != cfg.env.name:
+            raise ConfigError("env.name", f"the environment given is {env.name!r} but env.name is "
+                                          f"{cfg.env.name!r}; set env.name={env.name}")
+        spec = env
+    try:
+        check_env_section(cfg.env, spec)
+    except ConfigError as error:
+        raise error.with_prefix("env") from None
+    check_run_config(cfg, spec)
+    return spec
+
+
+def split_tasks(tasks: Sequence[Any], seed: int, source: str) -> tuple[list[Any], list[Any]]:
+    """(train, heldout) of `tasks` by `split_of(task.id, seed)`; ValueError naming `source` when
+    either is empty."""
+    from keelrl.envs.tasks import split_of
+
+    train = [t for t in tasks if split_of(t.id, seed) == "train"]
+    heldout = [t for t in tasks if split_of(t.id, seed) == "heldout"]
+    if not train or not heldout:
+        raise ValueError(f"{source} gives {len(train)} train and {len(heldout)} held-out tasks; "
+                         f"both must be non-empty")
+    return train, heldout
+
+
+# ------------------------------------------------------------------------------ coding
+
+def coding_hidden_paths(cfg: KeelConfig) -> list[str]:
+    """What the sandbox hides from the code it runs: keelrl's source, the directory the run
+    started in, the run directory (checkpoints, solved transcripts) and the task file."""
+    from pathlib import Path
+
+    from keelrl.sandbox import default_hidden_paths
+
+    paths = [*default_hidden_paths(), Path(cfg.run_dir).resolve()]
+    if cfg.env.tasks != "bundled":
+        paths.append(Path(cfg.env.tasks).resolve())
+    return [str(path) for path in paths]
+
+
+def _coding_tasks(cfg: KeelConfig) -> tuple[list[Any], list[Any]]:
+    from keelrl.envs.coding_tasks import bundled_tasks
+    from keelrl.envs.tasks import load_tasks
+
+    tasks = bundled_tasks(None, seed=cfg.env.split_seed) if cfg.env.tasks == "bundled" else load_tasks(cfg.env.tasks)
+    return split_tasks(tasks, cfg.env.split_seed, f"env.tasks {cfg.env.tasks!r}")
+
+
+def _coding_env(cfg: KeelConfig, training: bool) -> EnvFactory:
+    from keelrl.envs.coding import CodingEnvFactory
+
+    env = cfg.env
+    if training:
+        return CodingEnvFactory(env.verifier, partial_credit=env.partial_credit, max_turns=env.max_turns,
+                                show_tools=env.show_tools, show_file=env.show_file, key_weight=env.key_check_weight,
+                                hidden_paths=coding_hidden_paths(cfg))
+    return CodingEnvFactory("strong", partial_credit=False, max_turns=env.max_turns, show_tools=env.show_tools,
+                            show_file=env.show_file, key_weight=1.0, hidden_paths=coding_hidden_paths(cfg))
+
+
+def _coding_teacher(cfg: KeelConfig) -> DemoTeacher:
+    from keelrl.envs.teacher import ScriptedTeacher
+
+    return ScriptedTeacher(success_rate=1.0, mistake_rate=cfg.warm_start.mistake_rate, seed=cfg.seed,
+                           read_first=not cfg.env.show_file)
+
+
+def _coding_verifiers() -> tuple[str, ...]:
+    from keelrl.verifiers import VERIFIERS
+
+    return tuple(VERIFIERS)
+
+
+# ------------------------------------------------------------------------------ guess
+
+def _guess_tasks(cfg: KeelConfig) -> tuple[list[Any], list[Any]]:
+    from keelrl.envs.guess import guess_tasks
+
+    tasks = guess_tasks(cfg.env.guess_tasks, cfg.env.guess_n, seed=cfg.env.split_seed)
+    return split_tasks(tasks, cfg.env.split_seed, f"env.guess_tasks={cfg.env.guess_tasks}")
+
+
+def _guess_env(cfg: KeelConfig, training: bool) -> EnvFactory:
+    from keelrl.envs.guess import GuessEnvFactory
+
+    return GuessEnvFactory(cfg.env.max_turns, cfg.env.verifier if training else "strong")
+
+
+def _guess_teacher(cfg: KeelConfig) -> DemoTeacher:
+    from keelrl.envs.guess import BinarySearchTeacher
+
+    return BinarySearchTeacher(mistake_rate=cfg.warm_start.mistake_rate, seed=cfg.seed)
+
+
+# ------------------------------------------------------------------------------ reasoning gym
+
+def _rg_tasks(cfg: KeelConfig) -> tuple[list[Any], list[Any]]:
+    from keelrl.envs.reasoning_gym import rg_tasks
+
+    tasks = rg_tasks(cfg.env.dataset, cfg.env.rg_size, cfg.env.rg_seed)
+    return split_tasks(tasks, cfg.env.split_seed, f"env.dataset={cfg.env.dataset} with env.rg_size={cfg.env.rg_size}")
+
+
+def _rg_env(cfg: KeelConfig, training: bool) -> EnvFactory:
+    from keelrl.envs.reasoning_gym import ReasoningGymEnvFactory
+
+    env = cfg.env
+    return ReasoningGymEnvFactory(env.dataset, env.rg_size, env.rg_seed, max_turns=env.max_turns,
+                                  show_tools=env.show_tools)
+
+
+def _rg_teacher(cfg: KeelConfig) -> DemoTeacher:
+    from keelrl.envs.reasoning_gym import ReferenceAnswerTeacher
+
+    return ReferenceAnswerTeacher()
+
+
+def _rg_validate(env: EnvConfig) -> None:
+    from keelrl.envs.reasoning_gym import check_dataset
+
+    check_dataset(env.dataset)
+
+
+def _register_builtins() -> None:
+    from keelrl.alarms import PATCH_TOOLS
+    from keelrl.envs.guess import GUESS_VERIFIERS
+    from keelrl.envs.reasoning_gym import ANSWER_TOOL, RG_VERIFIERS
+
+    register_env(EnvSpec(name="coding", tasks=_coding_tasks, train_env=lambda cfg: _coding_env(cfg, True),
+                         eval_env=lambda cfg: _coding_env(cfg, False), teacher=_coding_teacher,
+                         answer_tools=PATCH_TOOLS, verifiers=_coding_verifiers(), title="the coding environment"))
+    register_env(EnvSpec(name="guess", tasks=_guess_tasks, train_env=lambda cfg: _guess_env(cfg, True),
+                         eval_env=lambda cfg: _guess_env(cfg, False), teacher=_guess_teacher,
+                         answer_tools=("guess",), verifiers=GUESS_VERIFIERS, title="the guessing game"))
+    register_env(EnvSpec(name="reasoning_gym", tasks=_rg_tasks, train_env=lambda cfg: _rg_env(cfg, True),
+                         eval_env=lambda cfg: _rg_env(cfg, False), teacher=_rg_teacher,
+                         answer_tools=(ANSWER_TOOL,), verifiers=RG_VERIFIERS, validate=_rg_validate,
+                         title="env.name=reasoning_gym"))
+
+
+_register_builtins()
