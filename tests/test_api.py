@@ -122,12 +122,15 @@ def test_a_user_advantage_estimator_plugs_in_by_name(model, tmp_path):
         seen.append(advantages)
         return AdvantageOutput(advantages=advantages, returns=advantages)
 
-    if "test_sign_of_reward" not in keelrl.ADVANTAGES:
-        keelrl.ADVANTAGES.register("test_sign_of_reward", summary="+1 / -1 by the episode's reward")(sign_of_reward)
-    cfg = keelrl.configure(None, *FAST, "algo.advantage=test_sign_of_reward", "train.steps=1",
-                           f"model.path={model}", f"run_dir={tmp_path / 'run'}")
-    assert cfg.algo.advantage == "test_sign_of_reward"
-    keelrl.Trainer(cfg).train()
+    keelrl.ADVANTAGES.register("test_sign_of_reward", summary="+1 / -1 by the episode's reward")(sign_of_reward)
+    try:
+        cfg = keelrl.configure(None, *FAST, "algo.advantage=test_sign_of_reward", "train.steps=1",
+                               f"model.path={model}", f"run_dir={tmp_path / 'run'}")
+        assert cfg.algo.advantage == "test_sign_of_reward"
+        keelrl.Trainer(cfg).train()
+    finally:  # the registry is process-wide: leave it as keelrl fills it (docs/algorithms.md is generated from it)
+        keelrl.ADVANTAGES.unregister("test_sign_of_reward")
+    assert "test_sign_of_reward" not in keelrl.ADVANTAGES
     assert seen, "the trainer never called the registered estimator"
     episodes = [json.loads(line) for line in (tmp_path / "run" / "episodes" / "step_0001.jsonl").read_text().splitlines()]
     for episode in episodes:

@@ -146,3 +146,18 @@ def test_keel_algos_markdown_prints_the_same_text(capsys):
 
     assert main(["algos", "--format", "markdown"]) == 0
     assert capsys.readouterr().out == comparison_markdown()
+
+
+def test_train_with_a_bad_task_file_says_so_in_one_line_before_loading_a_model(tmp_path, capsys):
+    from keelrl.cli import main
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("{not json\n")
+    for source, message in ((tmp_path / "missing.jsonl", "No such file"), (empty, "0 train and 0 held-out tasks"),
+                            (broken, "broken.jsonl:1")):
+        # model.path names no model: reaching the model would fail differently
+        assert main(["train", f"env.tasks={source}", "model.path=/no/such/model", f"run_dir={tmp_path / 'r'}"]) == 2
+        err = capsys.readouterr().err
+        assert "keel: config error: env.tasks" in err and message in err and "Traceback" not in err

@@ -68,6 +68,12 @@ class Registry(Generic[F]):
 
         return decorate
 
+    def unregister(self, name: str) -> None:
+        """Remove `name` (a notebook re-defining its component, a test cleaning up); KeyError if absent."""
+        if name not in self._entries:
+            raise KeyError(self._unknown(name))
+        del self._entries[name]
+
     def get(self, name: str) -> F:
         return self.entry(name).fn
 

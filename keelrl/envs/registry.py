@@ -153,9 +153,9 @@ def split_tasks(tasks: Sequence[Any], seed: int, source: str) -> tuple[list[Any]
 
     train = [t for t in tasks if split_of(t.id, seed) == "train"]
     heldout = [t for t in tasks if split_of(t.id, seed) == "heldout"]
-    if not train or not heldout:
-        raise ValueError(f"{source} gives {len(train)} train and {len(heldout)} held-out tasks; "
-                         f"both must be non-empty")
+    if not train or not heldout:  # a ConfigError: `keel train` says it in one line, before any work
+        raise ConfigError("", f"{source} gives {len(train)} train and {len(heldout)} held-out tasks; "
+                              f"both must be non-empty")
     return train, heldout
 
 
@@ -178,7 +178,12 @@ def _coding_tasks(cfg: KeelConfig) -> tuple[list[Any], list[Any]]:
     from keelrl.envs.coding_tasks import bundled_tasks
     from keelrl.envs.tasks import load_tasks
 
-    tasks = bundled_tasks(None, seed=cfg.env.split_seed) if cfg.env.tasks == "bundled" else load_tasks(cfg.env.tasks)
+    from keelrl.envs.tasks import TaskError
+
+    try:
+        tasks = bundled_tasks(None, seed=cfg.env.split_seed) if cfg.env.tasks == "bundled" else load_tasks(cfg.env.tasks)
+    except (TaskError, OSError) as error:  # a missing or malformed file: one line from `keel train`, no traceback
+        raise ConfigError("env.tasks", str(error)) from None
     return split_tasks(tasks, cfg.env.split_seed, f"env.tasks {cfg.env.tasks!r}")
 
 

@@ -256,6 +256,7 @@ class Trainer:
         self.cfg = cfg
         self.env_spec = resolve_env(cfg, env)
         """The run's environment kind (keelrl.envs.registry)."""
+        self.train_tasks, self.heldout_tasks = load_task_splits(cfg, self.env_spec)  # a bad file fails now
         self.run_dir = Path(cfg.run_dir)
         check_sinks(cfg.log, self.run_dir)  # a missing wandb/mlflow fails now, before the model loads
         self.progress = progress or (lambda event, info: None)
@@ -276,7 +277,6 @@ class Trainer:
         if cfg.algo.kl_coef > 0:
             self.reference, _ = load_policy(cfg.model.path, self.device)
             self.reference.eval().requires_grad_(False)
-        self.train_tasks, self.heldout_tasks = load_task_splits(cfg, self.env_spec)
         self.teacher: Teacher | None = None
         if cfg.distill.mode != "none":
             self.teacher = Teacher(cfg.distill, self.model, self.tokenizer, student_name=cfg.model.path,
