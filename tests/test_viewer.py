@@ -220,3 +220,21 @@ def test_view_of_a_directory_without_a_run_says_so(tmp_path, capsys):
         collect_run(tmp_path)
     assert main(["view", str(tmp_path)]) == 2
     assert "not a run directory" in capsys.readouterr().err
+
+
+def test_keel_view_serve_serves_until_stopped(page, run_dir):
+    exe = Path(sys.executable).parent / "keel"
+    process = subprocess.Popen([str(exe), "view", str(run_dir), "--serve", "--port", "0"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None and process.stderr is not None
+        assert process.stdout.readline().strip() == str(page)
+        line = process.stderr.readline()
+        url = re.search(r"(http://127\.0\.0\.1:\d+/)", line)
+        assert url, line
+        with urllib.request.urlopen(url.group(1), timeout=30) as response:
+            assert response.read() == page.read_bytes()
+        assert process.poll() is None  # still serving
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
