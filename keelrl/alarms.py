@@ -22,12 +22,25 @@ run, with the step and the numbers that tripped it:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping
 
 ALARMS = ("divergence", "entropy_collapse", "zero_advantage", "importance_weight", "patch_collapse")
 
 WEIGHT_KEYS = ("policy/is_weight_max", "rollout/arrival_is_weight_max", "policy/behaviour_weight_max")
+
+
+def alarm_sample_path(run_dir: str | Path, name: str, step: int) -> Path:
+    """Where a run keeps the trajectories sampled around alarm `name` at `step`."""
+    return Path(run_dir) / "alarms" / f"{name}_step_{int(step):04d}.txt"
+
+
+def read_alarms(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The alarms a run fired (run_dir/alarms.jsonl, `AlarmEvent.as_dict()` each), in order."""
+    path = Path(run_dir) / "alarms.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 @dataclass(frozen=True)

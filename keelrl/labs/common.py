@@ -3,7 +3,6 @@ train variants from it, read their metrics and draw and tabulate the results."""
 
 from __future__ import annotations
 
-import json
 import math
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -135,8 +134,9 @@ def first(rows: list[dict[str, Any]], key: str) -> float:
 
 def alarm_events(out: Path) -> list[dict[str, Any]]:
     """The alarms a run fired (alarms.jsonl), in order."""
-    path = out / "alarms.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    from keelrl.alarms import read_alarms
+
+    return read_alarms(out)
 
 
 def alarms(out: Path) -> list[str]:

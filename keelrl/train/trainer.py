@@ -55,7 +55,7 @@ from keelrl.config import KeelConfig, dump_config, to_dict
 from keelrl.envs.coding import CodingEnvFactory  # noqa: F401 - still importable from here
 from keelrl.envs.registry import EnvSpec, coding_hidden_paths, resolve_env
 from keelrl.envs.tasks import Task
-from keelrl.alarms import AlarmEvent, AlarmMonitor, distinct_patches
+from keelrl.alarms import AlarmEvent, AlarmMonitor, alarm_sample_path, distinct_patches
 from keelrl.monitor import MetricsLogger, plot_run, read_metrics, truncate_jsonl
 from keelrl.sinks import check_sinks
 from keelrl.train.episodes import TokenRecord, episode_rows, write_episodes
@@ -257,6 +257,7 @@ class Trainer:
         self.env_spec = resolve_env(cfg, env)
         """The run's environment kind (keelrl.envs.registry)."""
         self.train_tasks, self.heldout_tasks = load_task_splits(cfg, self.env_spec)  # a bad file fails now
+        self._task_kinds = {task.id: getattr(task, "kind", "") for task in self.train_tasks}
         self.run_dir = Path(cfg.run_dir)
         check_sinks(cfg.log, self.run_dir)  # a missing wandb/mlflow fails now, before the model loads
         self.progress = progress or (lambda event, info: None)
@@ -644,9 +645,7 @@ class Trainer:
                       / max(1, len(rollouts.trajectories)),
                       "train/env_error_groups_dropped": len(failed_groups)}
         if not trajectories:  # dynamic sampling kept no group, or every group failed: nothing to learn from
-            if self.cfg.train.save_episodes:
-                write_episodes(self.run_dir, step, episode_rows(step, rollouts.trajectories, [], self.tokenizer,
-                                                                limit=self.cfg.train.save_episodes))
+            self._write_episodes(step, rollouts.trajectories)
             return {**rollouts.metrics, **env_errors, "train/updates": 0, "train/skipped_updates": 0,
                     "time/step_s": time.monotonic() - started}
         learn_started = time.monotonic()
@@ -724,10 +723,7 @@ class Trainer:
         if self.device.type == "cuda":  # the next row's peak covers the next step only
             torch.cuda.reset_peak_memory_stats(self.device)
         self._write_samples(step, rollouts.trajectories)  # failed episodes too: they show the error
-        if train.save_episodes:
-            kinds = {task.id: getattr(task, "kind", "") for task in self.train_tasks}
-            write_episodes(self.run_dir, step, episode_rows(step, rollouts.trajectories, trajectories, self.tokenizer,
-                                                            advantages, record, kinds, limit=train.save_episodes))
+        self._write_episodes(step, rollouts.trajectories, trajectories, advantages, record)
         if self.curriculum is not None:
             row.update(self._record_curriculum(trajectories))
         return row
@@ -860,6 +856,14 @@ class Trainer:
         text = "\n\n".join(t.to_text(self.tokenizer) for t in trajectories[:count])
         (folder / f"step_{step:04d}.txt").write_text(text)
 
+    def _write_episodes(self, step: int, trajectories: Sequence[Trajectory], used: Sequence[Trajectory] = (),
+                        advantages: torch.Tensor | None = None, record: TokenRecord | None = None) -> None:
+        """episodes/step_NNNN.jsonl for `keel view` (keelrl.train.episodes); `used` are the batch's rows."""
+        count = self.cfg.train.save_episodes
+        if count:
+            write_episodes(self.run_dir, step, episode_rows(step, trajectories, used, self.tokenizer, advantages,
+                                                            record, self._task_kinds, limit=count))
+
     # ----------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> Path:
         """Checkpoint the current step (crash-safe: keelrl.train.checkpoint); -> its folder."""
@@ -906,10 +910,10 @@ class Trainer:
         for event in events:
             with (self.run_dir / "alarms.jsonl").open("a") as handle:
                 handle.write(json.dumps(event.as_dict()) + "\n")
-            folder = self.run_dir / "alarms"
-            folder.mkdir(exist_ok=True)
+            path = alarm_sample_path(self.run_dir, event.name, event.step)
+            path.parent.mkdir(exist_ok=True)
             text = "\n\n".join(t.to_text(self.tokenizer) for t in trajectories[:max(4, self.cfg.train.sample_trajectories)])
-            (folder / f"{event.name}_step_{event.step:04d}.txt").write_text(f"# {event.message}\n\n{text}")
+            path.write_text(f"# {event.message}\n\n{text}")
             self.progress("alarm", event.as_dict())
             if event.name in self.cfg.monitor.stop_on or "any" in self.cfg.monitor.stop_on:
                 stop = stop or event.name

@@ -22,6 +22,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from keelrl.alarms import alarm_sample_path, read_alarms
 from keelrl.monitor import read_metrics
 from keelrl.train.episodes import read_episodes
 
@@ -47,10 +48,9 @@ class ViewError(ValueError):
 
 
 def _alarms(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "alarms.jsonl"
-    alarms = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    alarms = read_alarms(run_dir)
     for alarm in alarms:
-        saved = run_dir / "alarms" / f"{alarm['alarm']}_step_{int(alarm['step']):04d}.txt"
+        saved = alarm_sample_path(run_dir, alarm["alarm"], alarm["step"])
         alarm["saved_file"] = str(saved.relative_to(run_dir)) if saved.exists() else None
         alarm["saved"] = saved.read_text() if saved.exists() else None
     return alarms
