@@ -15,10 +15,10 @@ mean value each step.
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Sequence
 
 import keelrl
+from keelrl.monitor import read_metrics
 
 SMOKE = ["warm_start.demos=4", "warm_start.epochs=1", "warm_start.batch_size=4",
          "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=16", "train.eval_tasks=3",
@@ -49,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     model = args.model or ("tiny" if args.smoke else "smollm2")
     summary = keelrl.Trainer(cfg, model=model, run_dir=args.out).train()
 
-    rows = [json.loads(line) for line in open(f"{args.out}/metrics.jsonl")]
+    rows = read_metrics(args.out)
     steps = [row for row in rows if row["step"] > 0]
     print(f"held-out success: {summary['eval_success_before_rl']:.3f} after the warm start, "
           f"{summary['eval_success_after_rl']:.3f} after {len(steps)} PPO steps")

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Sequence
 
 import keelrl
+from keelrl.monitor import read_metrics
 from keelrl.labs import lab_settings
 
 def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
@@ -47,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
         cfg = keelrl.configure(None, *base, f"algo.preset={preset}", "warm_start.demos=0",
                             f"train.steps={args.steps}", f"train.eval_every={args.steps}")
         summary = keelrl.Trainer(cfg, model=warm, run_dir=out / preset).train()
-        rows = [json.loads(line) for line in (out / preset / "metrics.jsonl").read_text().splitlines()]
+        rows = read_metrics(out / preset)
         updated = [row for row in rows if row["step"] > 0 and "policy/clip_frac" in row]  # a step with an update
         results[preset] = {
             "heldout_before": summary["eval_success_before_rl"], "heldout_after": summary["eval_success_after_rl"],
@@ -76,7 +77,7 @@ def _chart(out: Path, presets: Sequence[str]) -> None:
 
     figure, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for preset in presets:
-        rows = [json.loads(line) for line in (out / preset / "metrics.jsonl").read_text().splitlines()]
+        rows = read_metrics(out / preset)
         steps = [row for row in rows if row["step"] > 0 and "policy/clip_frac" in row]
         axes[0].plot([r["step"] for r in steps], [r["train/reward"] for r in steps], marker="o", label=preset)
         axes[1].plot([r["step"] for r in steps], [r["policy/clip_frac"] for r in steps], marker="o", label=preset)

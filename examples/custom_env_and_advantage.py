@@ -16,15 +16,14 @@ like any built-in one, and the trainer calls it with the one signature every est
 from __future__ import annotations
 
 import argparse
-import json
 import random
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
 import keelrl
+from keelrl.monitor import read_metrics
 from keelrl.algos.advantages import AdvantageOutput, trajectory_scores
 from keelrl.envs.base import CheckResult, Grade
 from keelrl.envs.registry import EnvSpec, split_tasks
@@ -153,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                            "algo.preset=grpo", "algo.advantage=median_baseline", f"train.steps={args.steps}",
                            f"train.eval_every={args.steps}", *(SMOKE if args.smoke else []))
     summary = keelrl.Trainer(cfg, env=VOWELS_ENV, model=args.model, run_dir=args.out).train()
-    rows = [json.loads(line) for line in (Path(args.out) / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(args.out)
     trained = [row for row in rows if "train/reward" in row]
     print(f"held-out success: {summary['eval_success_before_rl']:.3f} after the warm start, "
           f"{summary['eval_success_after_rl']:.3f} after {len(trained)} steps with the median baseline; "

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import keelrl
+from keelrl.monitor import read_metrics
 from keelrl.labs import lab_settings
 
 TEACHER = ["warm_start.demos=384", "warm_start.mistake_rate=0.1"]
@@ -54,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
         cfg = keelrl.configure(None, *base, *smoke, *extra, "warm_start.demos=0", f"train.steps={args.steps}",
                                f"train.eval_every={args.steps}")
         summary = keelrl.Trainer(cfg, model=models["student"], run_dir=out / name).train()
-        rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+        rows = read_metrics(out / name)
         trained = [row for row in rows if "train/reward" in row]
         results[name] = {"heldout_before": summary["eval_success_before_rl"],
                          "heldout_after": summary["eval_success_after_rl"],

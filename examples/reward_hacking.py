@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import keelrl
+from keelrl.alarms import read_alarms
+from keelrl.monitor import read_metrics
 from keelrl.labs import lab_settings
 
 def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
@@ -43,10 +45,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
         cfg = keelrl.configure(None, *base, f"env.verifier={verifier}", "warm_start.demos=0",
                                f"train.steps={args.steps}", f"train.eval_every={every}")
         summary = keelrl.Trainer(cfg, model=warm, run_dir=out / verifier).train()
-        rows = [json.loads(line) for line in (out / verifier / "metrics.jsonl").read_text().splitlines()]
+        rows = read_metrics(out / verifier)
         trained = [row for row in rows if "train/reward" in row]
-        alarms_file = out / verifier / "alarms.jsonl"
-        alarms = [json.loads(line) for line in alarms_file.read_text().splitlines()] if alarms_file.exists() else []
+        alarms = read_alarms(out / verifier)
         results[verifier] = {
             "train_reward_first": trained[0]["train/reward"], "train_reward_last": trained[-1]["train/reward"],
             "heldout_before": summary["eval_success_before_rl"], "heldout_after": summary["eval_success_after_rl"],

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import keelrl
+from keelrl.monitor import read_metrics
 from keelrl.policy.tiny import TinyModelSpec, save_tiny_default
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -32,8 +33,6 @@ def run(name: str, out: Path, model: Path, *extra: str) -> str:
     return result.stdout
 
 
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def same(a: float, b: float) -> bool:
@@ -51,7 +50,7 @@ def test_coding_ppo_turn_gae(model, tmp_path):
     stdout = run("coding_ppo_turn_gae", out, model)
     config = (out / "config.yaml").read_text()
     assert "level: turn" in config and "advantage: gae" in config and "engine" in config
-    step = rows(out)[-1]
+    step = read_metrics(out)[-1]
     assert step["step"] == 1 and "value/loss" in step  # the critic was trained
     assert f"value loss {step['value/loss']:.4f}" in stdout
     assert (out / "episodes" / "step_0001.jsonl").exists()
@@ -66,7 +65,7 @@ def test_compare_presets(model, tmp_path):
         assert f"preset: {preset}" in (out / preset / "config.yaml").read_text()
         summary = json.loads((out / preset / "summary.json").read_text())
         assert numbers["heldout_after"] == summary["eval_success_after_rl"]
-        updated = [r for r in rows(out / preset) if "policy/clip_frac" in r]
+        updated = [r for r in read_metrics(out / preset) if "policy/clip_frac" in r]
         assert same(numbers["clip_frac_mean"], updated[-1]["policy/clip_frac"] if updated else math.nan)
         assert f"| {preset} |" in stdout
     # one warm start for all three: each variant starts from its weights, with no demos of its own
@@ -83,7 +82,7 @@ def test_reward_hacking(model, tmp_path):
     assert set(results) == {"weak", "strong"}
     for verifier, numbers in results.items():
         assert f"verifier: {verifier}" in (out / verifier / "config.yaml").read_text()
-        trained = [r for r in rows(out / verifier) if "train/reward" in r]
+        trained = [r for r in read_metrics(out / verifier) if "train/reward" in r]
         assert numbers["train_reward_last"] == trained[-1]["train/reward"]
     # the weak verifier scores the untrained model's invalid guesses as solved; strong does not
     assert results["weak"]["train_reward_last"] > results["strong"]["train_reward_last"]
