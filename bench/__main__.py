@@ -1,6 +1,6 @@
 """`python -m bench`: run every benchmark and write BENCHMARKS.md.
 
-    python -m bench                      # every benchmark at full size -> BENCHMARKS.md (about an hour here)
+    python -m bench                      # every benchmark at full size -> BENCHMARKS.md (times: each section's)
     python -m bench --smoke              # every benchmark at smoke size -> bench/out/smoke/BENCHMARKS.md
     python -m bench --only kernel trl    # rerun these; the others' sections are read back from --out
 

@@ -16,10 +16,10 @@ first. Held-out: each run's success before and after, and async's final success 
 paired over the same tasks with its standard error; "equal" means within 2 standard errors.
 
 Both runs use the GRPO preset with `algo.kl_is_weight=true`: its k3 reference-KL term is then
-weighted by pi / mu. Without it, the first async run here (3 s tools) lost held-out success,
-0.297 -> 0.062 against sync's 0.297 -> 0.328: on samples one update stale, k3 averaged 173
-(0.005 in sync) and the gradient norm reached 2434. For the sync run the weight is 1 up to
-float rounding (fresh samples, one update a step).
+weighted by pi / mu. Without it, k3 on samples one update stale can explode and take held-out
+success with it, as it did in the first async run here
+(docs/measurements.md#kl-to-the-reference-on-stale-samples). For the sync run the weight is 1 up
+to float rounding (fresh samples, one update a step).
 """
 
 from __future__ import annotations

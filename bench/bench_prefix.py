@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from keelrl.policy.model import chunked_token_logprobs, load_policy
+from keelrl.policy.model import load_policy
+from keelrl.policy.prefix import chunked_token_logprobs
 from keelrl.policy.prefix import micro_logprobs, plan_passes
 
 

@@ -17,7 +17,7 @@ the trainer runs `Trainer.rl_step`. From each step's metrics row:
   advantages, then forward+backward by shared prompt in micro-batches of at most
   `train.micro_batch_tokens` tokens, gradient clipping and one AdamW step. No reference pass
   (no KL) and no separate no-grad proximal pass: with one update a step, the update's own
-  pass gives the proximal log-probs (`Trainer.prox_from_update`). Both are read off each
+  pass gives the proximal log-probs (`AdvantageStage.prox_from_update`). Both are read off each
   point's trainer and recorded (`reference_pass`, `proximal_pass`), and the section says what
   they were;
 - sample_s = step_s - learn_s: the rollouts, of which generate_s (`time/rollout_generate_s`) is
@@ -305,7 +305,7 @@ def run_point(args: argparse.Namespace, point: Point, texts: Sequence[str], obse
         cfg = trainer.cfg
         rows = len(texts) * point.group
         # the trainer's own rule; it reads the batch's row count alone
-        proximal_pass = not trainer.prox_from_update(SimpleNamespace(input_ids=torch.empty(rows, 0)))
+        proximal_pass = not trainer.advantages.prox_from_update(SimpleNamespace(input_ids=torch.empty(rows, 0)))
         settings = {"load_s": time.perf_counter() - loading, "algo_preset": cfg.algo.preset,
                     "kl_coef": cfg.algo.kl_coef, "reference_pass": trainer.reference is not None,
                     "proximal_pass": proximal_pass,

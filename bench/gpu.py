@@ -18,7 +18,7 @@ tokens, `<|end|><|assistant|>`; every id is below the model's vocabulary): 8 dis
    run. tokens/s = generated tokens / wall time of the call, prefill included (`sample` prefills
    each distinct prompt once). One short warm-up call (8 new tokens) runs first.
 2. Learning: one update on the sampled sequences (prompt + its sampled tokens, 2048 tokens per
-   row), the way `Trainer.accumulate_gradients` runs one minibatch, here the whole batch:
+   row), the way `Learner.accumulate_gradients` runs one minibatch, here the whole batch:
    `plan_passes` within `--micro-batch-tokens` padded tokens, keyed by group id with positions =
    the sampled tokens, so each group's prompt runs once and its keys and values are copied to the
    group's rows; `micro_logprobs` with entropy; the `grpo` preset's `policy_objective` (old
@@ -96,7 +96,7 @@ from keelrl.policy.model import row_lengths
 from keelrl.policy.prefix import MicroBatch, can_share, micro_logprobs, plan_passes
 from keelrl.policy.sampling import Sample, SamplingConfig, draw_uniforms, sample
 from keelrl.policy.tiny import build_tiny_tokenizer
-from keelrl.train.trainer import aggregation_weights, enable_gradient_checkpointing, micro_batch_scale
+from keelrl.train.learner import aggregation_weights, enable_gradient_checkpointing, micro_batch_scale
 
 MFU_TARGET = 0.3
 """The bar learner MFU is judged by (the issue's), not a measured baseline."""
@@ -351,7 +351,7 @@ def learner_batch(contexts: Sequence[Sequence[int]], samples: Sequence[Sample], 
 def learner_update(model: Any, optimizer: torch.optim.Optimizer, batch: LearnerBatch, algo: AlgoConfig,
                    micro_batch_tokens: int, *, share_prefix: bool,
                    max_grad_norm: float = 1.0) -> tuple[list[PassLayout], dict[str, float]]:
-    """One AdamW update over the whole batch in micro-batches, as `Trainer.accumulate_gradients`
+    """One AdamW update over the whole batch in micro-batches, as `Learner.accumulate_gradients`
     runs a minibatch (no value head, distillation or observation loss) -> (the passes run, metrics)."""
     mask = batch.action_mask  # [B, T]
     minibatch_weights = aggregation_weights(mask, algo)  # [B, T]

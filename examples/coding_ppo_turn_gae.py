@@ -18,7 +18,7 @@ import argparse
 from typing import Sequence
 
 import keelrl
-from keelrl.monitor import read_metrics
+from keelrl.runs import read_metrics
 
 SMOKE = ["warm_start.demos=4", "warm_start.epochs=1", "warm_start.batch_size=4",
          "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=16", "train.eval_tasks=3",

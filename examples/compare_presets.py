@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Sequence
 
 import keelrl
-from keelrl.monitor import read_metrics
+from keelrl.runs import read_metrics
 from keelrl.labs import lab_settings
 
 def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import torch
 
 import keelrl
-from keelrl.monitor import read_metrics
+from keelrl.runs import read_metrics
 from keelrl.algos.advantages import AdvantageOutput, trajectory_scores
 from keelrl.envs.base import CheckResult, Grade
 from keelrl.envs.registry import EnvSpec, split_tasks

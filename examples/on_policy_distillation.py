@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import keelrl
-from keelrl.monitor import read_metrics
+from keelrl.runs import read_metrics
 from keelrl.labs import lab_settings
 
 TEACHER = ["warm_start.demos=384", "warm_start.mistake_rate=0.1"]

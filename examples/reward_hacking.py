@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import keelrl
-from keelrl.alarms import read_alarms
-from keelrl.monitor import read_metrics
+from keelrl.runs import read_alarms
+from keelrl.runs import read_metrics
 from keelrl.labs import lab_settings
 
 def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:

@@ -33,7 +33,8 @@ _LAZY = {
     "CheckResult": ("keelrl.envs.base", "CheckResult"),
 }
 
-__all__ = ["__version__", *_LAZY]
+__all__ = ["__version__"]
+__all__ += list(_LAZY)
 
 
 def __getattr__(name: str) -> Any:

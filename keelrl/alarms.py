@@ -18,29 +18,27 @@ run, with the step and the numbers that tripped it:
 - `patch_collapse`: the mean number of distinct final patches (the guessing game: guess
   sequences) per group at or below
   `distinct_patches_min` for `window` consecutive steps: the group explores nothing.
+
+Each alarm is a check registered in `ALARMS` under its name (the names `monitor.stop_on` takes),
+all with one signature: check(monitor, step) -> (values, message) when it fires at `step`, else
+None. The monitor runs them in registration order.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
-ALARMS = ("divergence", "entropy_collapse", "zero_advantage", "importance_weight", "patch_collapse")
+from keelrl.registry import Registry
+
+Finding = tuple[dict[str, float], str]
+"""What a check returns when its alarm fires: the numbers behind it and a one-line message."""
+AlarmCheck = Callable[["AlarmMonitor", int], "Finding | None"]
+
+ALARMS: Registry[AlarmCheck] = Registry("alarm", ("monitor", "step"))
+"""Alarm name -> its check (see the module docstring), in the order the monitor runs them."""
 
 WEIGHT_KEYS = ("policy/is_weight_max", "rollout/arrival_is_weight_max", "policy/behaviour_weight_max")
-
-
-def alarm_sample_path(run_dir: str | Path, name: str, step: int) -> Path:
-    """Where a run keeps the trajectories sampled around alarm `name` at `step`."""
-    return Path(run_dir) / "alarms" / f"{name}_step_{int(step):04d}.txt"
-
-
-def read_alarms(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The alarms a run fired (run_dir/alarms.jsonl, `AlarmEvent.as_dict()` each), in order."""
-    path = Path(run_dir) / "alarms.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 @dataclass(frozen=True)
@@ -64,7 +62,8 @@ class AlarmMonitor:
         self.rows: list[dict[str, Any]] = []
         self.fired: set[str] = set()
 
-    def _series(self, key: str) -> list[tuple[int, float]]:
+    def series(self, key: str) -> list[tuple[int, float]]:
+        """(step, value) of every row so far where `key` is a number."""
         return [(int(row["step"]), float(row[key])) for row in self.rows
                 if isinstance(row.get(key), (int, float)) and not isinstance(row.get(key), bool)]
 
@@ -72,96 +71,108 @@ class AlarmMonitor:
         """Add this step's row; returns the alarms that fire now (each only once a run)."""
         self.rows.append({"step": step, **row})
         events = []
-        for name, check in (("divergence", self._divergence), ("entropy_collapse", self._entropy),
-                            ("zero_advantage", self._zero_advantage), ("importance_weight", self._weights),
-                            ("patch_collapse", self._patches)):
+        for name in ALARMS:
             if name in self.fired:
                 continue
-            found = check(step)
+            found = ALARMS[name](self, step)
             if found is not None:
                 values, message = found
                 self.fired.add(name)
                 events.append(AlarmEvent(name, step, values, message))
         return events
 
-    # ------------------------------------------------------------------ the checks
-    def _mean_reward_ending_at(self, step: int) -> float | None:
-        rewards = [(s, r) for s, r in self._series("train/reward") if s >= 1]
-        if not rewards:
-            return None
-        window = self.cfg.window
-        if step < 1:  # the pre-RL eval: the first RL steps stand in for it
-            chosen = rewards[:window]
-        else:
-            chosen = [(s, r) for s, r in rewards if step - window < s <= step]
-        return sum(r for _, r in chosen) / len(chosen) if chosen else None
-
-    def _divergence(self, step: int) -> tuple[dict[str, float], str] | None:
-        evals = self._series(self.cfg.eval_metric)
-        if len(evals) < 2 or evals[-1][0] != step:
-            return None
-        (then_step, eval_then), (_, eval_now) = evals[-2], evals[-1]
-        reward_then, reward_now = self._mean_reward_ending_at(then_step), self._mean_reward_ending_at(step)
-        if reward_then is None or reward_now is None:
-            return None
-        reward_gain, eval_gain = reward_now - reward_then, eval_now - eval_then
-        if reward_gain >= self.cfg.divergence_reward_gain and eval_gain <= self.cfg.divergence_eval_gain:
-            values = {"train_reward_then": reward_then, "train_reward_now": reward_now,
-                      "eval_then": eval_then, "eval_now": eval_now, "since_step": float(then_step)}
-            return values, (f"training reward rose {reward_then:.3f} -> {reward_now:.3f} since step {then_step} "
-                            f"while {self.cfg.eval_metric} went {eval_then:.3f} -> {eval_now:.3f}: "
-                            f"the reward may be hacked; go read trajectories")
-        return None
-
-    def _entropy(self, step: int) -> tuple[dict[str, float], str] | None:
-        series = self._series("policy/entropy")
-        if not series or series[-1][0] != step:
-            return None
-        now = series[-1][1]
-        if now < self.cfg.entropy_floor:
-            return {"entropy": now}, f"mean entropy {now:.4f} is below the floor {self.cfg.entropy_floor:g}"
-        earlier = [value for s, value in series if s <= step - self.cfg.window]
-        if earlier and earlier[-1] > 0 and now < (1.0 - self.cfg.entropy_drop) * earlier[-1]:
-            return ({"entropy": now, "entropy_before": earlier[-1]},
-                    f"mean entropy fell {earlier[-1]:.4f} -> {now:.4f} within {self.cfg.window} steps "
-                    f"(more than {self.cfg.entropy_drop:.0%})")
-        return None
-
-    def _consecutive(self, key: str, step: int, test: Any) -> list[float] | None:
+    def consecutive(self, key: str, step: int, test: Callable[[float], bool]) -> list[float] | None:
         """The last `window` values of `key` if they all pass `test` and end at this step."""
-        series = self._series(key)
+        series = self.series(key)
         window = self.cfg.window
         if len(series) < window or series[-1][0] != step:
             return None
         last = [value for _, value in series[-window:]]
         return last if all(test(value) for value in last) else None
 
-    def _zero_advantage(self, step: int) -> tuple[dict[str, float], str] | None:
-        key = "dynamic/zero_adv_frac_before" if self._series("dynamic/zero_adv_frac_before") else \
-            "train/zero_advantage_frac"
-        last = self._consecutive(key, step, lambda v: v >= self.cfg.zero_adv_max)
-        if last is None:
-            return None
-        return ({"zero_advantage_frac": last[-1]},
-                f"{last[-1]:.0%} of groups had all-equal rewards ({key}) for {len(last)} steps: "
-                f"they teach nothing (harder/easier tasks, partial credit, or dynamic sampling)")
 
-    def _weights(self, step: int) -> tuple[dict[str, float], str] | None:
-        row = self.rows[-1]
-        over = {key: float(row[key]) for key in WEIGHT_KEYS
-                if isinstance(row.get(key), (int, float)) and float(row[key]) > self.cfg.is_weight_max}
-        if not over:
-            return None
-        key, value = max(over.items(), key=lambda item: item[1])
-        return over, f"{key} = {value:.3g} exceeds {self.cfg.is_weight_max:g}: stale or off-policy data"
+# ------------------------------------------------------------------ the checks
+def _mean_reward_ending_at(monitor: AlarmMonitor, step: int) -> float | None:
+    rewards = [(s, r) for s, r in monitor.series("train/reward") if s >= 1]
+    if not rewards:
+        return None
+    window = monitor.cfg.window
+    if step < 1:  # the pre-RL eval: the first RL steps stand in for it
+        chosen = rewards[:window]
+    else:
+        chosen = [(s, r) for s, r in rewards if step - window < s <= step]
+    return sum(r for _, r in chosen) / len(chosen) if chosen else None
 
-    def _patches(self, step: int) -> tuple[dict[str, float], str] | None:
-        last = self._consecutive("train/distinct_patches", step, lambda v: v <= self.cfg.distinct_patches_min)
-        if last is None:
-            return None
-        return ({"distinct_patches": last[-1]},
-                f"groups produced {last[-1]:.2f} distinct final patches on average for {len(last)} steps: "
-                f"exploration has collapsed")
+
+@ALARMS.register("divergence", summary="training reward rises while the eval metric does not")
+def _divergence(monitor: AlarmMonitor, step: int) -> Finding | None:
+    cfg = monitor.cfg
+    evals = monitor.series(cfg.eval_metric)
+    if len(evals) < 2 or evals[-1][0] != step:
+        return None
+    (then_step, eval_then), (_, eval_now) = evals[-2], evals[-1]
+    reward_then, reward_now = _mean_reward_ending_at(monitor, then_step), _mean_reward_ending_at(monitor, step)
+    if reward_then is None or reward_now is None:
+        return None
+    reward_gain, eval_gain = reward_now - reward_then, eval_now - eval_then
+    if reward_gain >= cfg.divergence_reward_gain and eval_gain <= cfg.divergence_eval_gain:
+        values = {"train_reward_then": reward_then, "train_reward_now": reward_now,
+                  "eval_then": eval_then, "eval_now": eval_now, "since_step": float(then_step)}
+        return values, (f"training reward rose {reward_then:.3f} -> {reward_now:.3f} since step {then_step} "
+                        f"while {cfg.eval_metric} went {eval_then:.3f} -> {eval_now:.3f}: "
+                        f"the reward may be hacked; go read trajectories")
+    return None
+
+
+@ALARMS.register("entropy_collapse", summary="mean policy entropy below a floor, or fallen fast")
+def _entropy(monitor: AlarmMonitor, step: int) -> Finding | None:
+    cfg = monitor.cfg
+    series = monitor.series("policy/entropy")
+    if not series or series[-1][0] != step:
+        return None
+    now = series[-1][1]
+    if now < cfg.entropy_floor:
+        return {"entropy": now}, f"mean entropy {now:.4f} is below the floor {cfg.entropy_floor:g}"
+    earlier = [value for s, value in series if s <= step - cfg.window]
+    if earlier and earlier[-1] > 0 and now < (1.0 - cfg.entropy_drop) * earlier[-1]:
+        return ({"entropy": now, "entropy_before": earlier[-1]},
+                f"mean entropy fell {earlier[-1]:.4f} -> {now:.4f} within {cfg.window} steps "
+                f"(more than {cfg.entropy_drop:.0%})")
+    return None
+
+
+@ALARMS.register("zero_advantage", summary="most groups had all-equal rewards for `window` steps")
+def _zero_advantage(monitor: AlarmMonitor, step: int) -> Finding | None:
+    key = "dynamic/zero_adv_frac_before" if monitor.series("dynamic/zero_adv_frac_before") else \
+        "train/zero_advantage_frac"
+    last = monitor.consecutive(key, step, lambda v: v >= monitor.cfg.zero_adv_max)
+    if last is None:
+        return None
+    return ({"zero_advantage_frac": last[-1]},
+            f"{last[-1]:.0%} of groups had all-equal rewards ({key}) for {len(last)} steps: "
+            f"they teach nothing (harder/easier tasks, partial credit, or dynamic sampling)")
+
+
+@ALARMS.register("importance_weight", summary="an importance weight above is_weight_max")
+def _weights(monitor: AlarmMonitor, step: int) -> Finding | None:
+    row = monitor.rows[-1]
+    limit = monitor.cfg.is_weight_max
+    over = {key: float(row[key]) for key in WEIGHT_KEYS
+            if isinstance(row.get(key), (int, float)) and float(row[key]) > limit}
+    if not over:
+        return None
+    key, value = max(over.items(), key=lambda item: item[1])
+    return over, f"{key} = {value:.3g} exceeds {limit:g}: stale or off-policy data"
+
+
+@ALARMS.register("patch_collapse", summary="few distinct final patches per group for `window` steps")
+def _patches(monitor: AlarmMonitor, step: int) -> Finding | None:
+    last = monitor.consecutive("train/distinct_patches", step, lambda v: v <= monitor.cfg.distinct_patches_min)
+    if last is None:
+        return None
+    return ({"distinct_patches": last[-1]},
+            f"groups produced {last[-1]:.2f} distinct final patches on average for {len(last)} steps: "
+            f"exploration has collapsed")
 
 
 PATCH_TOOLS = ("replace", "edit")

@@ -24,7 +24,8 @@ import textwrap
 from pathlib import Path
 from typing import Any, Mapping
 
-from keelrl.config import KeelConfig, apply_overrides, explain as _explain_rows, from_dict, load_config, to_dict
+from keelrl.components import explain as _explain_rows
+from keelrl.config import KeelConfig, apply_overrides, from_dict, load_config, to_dict, with_paths
 from keelrl.errors import ConfigError
 
 
@@ -33,11 +34,14 @@ def configure(source: str | Path | Mapping[str, Any] | KeelConfig | None = None,
     the defaults) with `overrides` applied (`"algo.preset=dapo"`, ...). A bad field or value raises
     `ConfigError` naming it, before any work starts."""
     if source is None or isinstance(source, (str, Path)):
-        return load_config(source, overrides)
-    data = to_dict(source) if isinstance(source, KeelConfig) else _plain(source)
-    if not isinstance(data, dict):
-        raise ConfigError("", f"a config source is a YAML path, a mapping or a KeelConfig, got {type(source).__name__}")
-    return from_dict(KeelConfig, apply_overrides(data, overrides))
+        cfg = load_config(source, overrides)
+    else:
+        data = to_dict(source) if isinstance(source, KeelConfig) else _plain(source)
+        if not isinstance(data, dict):
+            raise ConfigError("", f"a config source is a YAML path, a mapping or a KeelConfig, got "
+                                  f"{type(source).__name__}")
+        cfg = from_dict(KeelConfig, apply_overrides(data, overrides))
+    return cfg
 
 
 def _plain(value: Any) -> Any:
@@ -67,25 +71,6 @@ def warm_start(cfg: KeelConfig, out: str | Path) -> Path:
     trainer.model.save_pretrained(out)
     trainer.tokenizer.save_pretrained(out)
     return out
-
-
-def with_paths(cfg: KeelConfig, *, model: str | Path | None = None, tasks: str | Path | None = None,
-               run_dir: str | Path | None = None, env_name: str | None = None) -> KeelConfig:
-    """`cfg` with model.path, env.tasks, run_dir and env.name set where given, validated again.
-
-    The values are set as strings, not parsed as YAML: a path named `1e3` or `true` stays a path."""
-    if model is None and tasks is None and run_dir is None and (env_name is None or env_name == cfg.env.name):
-        return cfg
-    data = to_dict(cfg)
-    if env_name is not None:
-        data["env"]["name"] = env_name
-    if model is not None:
-        data["model"]["path"] = str(model)
-    if tasks is not None:
-        data["env"]["tasks"] = str(tasks)
-    if run_dir is not None:
-        data["run_dir"] = str(run_dir)
-    return from_dict(KeelConfig, data)
 
 
 __all__ = ["configure", "explain", "warm_start", "with_paths"]

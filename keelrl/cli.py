@@ -1,4 +1,4 @@
-"""The `keel` command line: `keel algos`, `keel config`, `keel tasks` (more arrive with the trainer)."""
+"""The `keel` command line: `keel algos | config | train | eval | report | view | lab | tasks | model | audit`."""
 
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ from keelrl.errors import ConfigError
 
 def _cmd_algos(args: argparse.Namespace) -> int:
     from keelrl.algos import ALL, PRESETS, comparison_table
-    from keelrl.algos.presets import symbolic_summary
+    from keelrl.algos.catalogue import symbolic_summary
 
     if args.format == "markdown":
-        from keelrl.algos.presets import comparison_markdown
+        from keelrl.algos.catalogue import comparison_markdown
 
         print(comparison_markdown(), end="")
         return 0
@@ -34,8 +34,9 @@ def _cmd_algos(args: argparse.Namespace) -> int:
             raise ConfigError("preset", f"unknown preset {args.preset!r}; valid names: {', '.join(PRESETS)}")
         rows = [row for row in rows if row["preset"] == args.preset]
     if args.format == "json":
-        payload = {"presets": rows, "components": {kind: {e.name: symbolic_summary(e.summary) for e in registry}
-                                                    for kind, registry in ALL.items()}}
+        summaries = {kind: {entry.name: symbolic_summary(entry.summary) for entry in registry.entries()}
+                     for kind, registry in ALL.items()}
+        payload = {"presets": rows, "components": summaries}
         print(json.dumps(payload, indent=2))
         return 0
     console = Console(width=max(Console().width, 160) if args.format == "table" else 200)
@@ -53,14 +54,15 @@ def _cmd_algos(args: argparse.Namespace) -> int:
             components = Table(title=f"{kind} ({registry.kind})")
             components.add_column("name")
             components.add_column("summary")
-            for entry in registry:
+            for entry in registry.entries():
                 components.add_row(entry.name, symbolic_summary(entry.summary))
             console.print(components)
     return 0
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from keelrl.config import dump_config, explain, load_config
+    from keelrl.components import check, explain
+    from keelrl.config import dump_config, load_config
 
     if args.explain:
         table = Table(title="configuration fields (set in YAML or as dotted.key=value)")
@@ -71,9 +73,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
         Console(width=160).print(table)
         return 0
     cfg = load_config(args.config, args.overrides)
-    from keelrl.envs.registry import resolve_env
-
-    resolve_env(cfg)  # an unregistered env.name fails here, listing the registered ones
+    check(cfg)  # an unregistered component (env.name, rollout.engine, ...) fails here, listing the registered ones
     sys.stdout.write(dump_config(cfg))
     return 0
 
@@ -107,7 +107,7 @@ def _cmd_tasks(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
     from keelrl.sandbox import isolation_report
-    from keelrl.verifiers import check_tasks
+    from keelrl.envs.verifiers import check_tasks
 
     print(f"{len(tasks)} tasks: schema valid; checking behaviour in the sandbox "
           f"({', '.join(isolation_report().mechanisms())})", file=sys.stderr)
@@ -125,7 +125,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from keelrl.config import load_config
-    from keelrl.train.checkpoint import CheckpointError
+    from keelrl.runs import CheckpointError
     from keelrl.train.trainer import Trainer
 
     if args.resume:
@@ -181,7 +181,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from keelrl.config import load_config
     from keelrl.train.trainer import Trainer
 
-    from keelrl.train.checkpoint import CheckpointError, latest_checkpoint
+    from keelrl.runs import CheckpointError, latest_checkpoint
 
     run_dir = Path(args.run_dir)
     try:
@@ -201,7 +201,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from keelrl.monitor import plot_run, read_metrics
+    from keelrl.monitor import plot_run
+    from keelrl.runs import read_metrics
 
     rows = read_metrics(args.run_dir)
     if not rows:
@@ -298,6 +299,7 @@ def _cmd_audit(args: argparse.Namespace) -> int:
 def _audit_answers(args: argparse.Namespace) -> int:
     """`keel audit --env reasoning_gym`: the answer probes of keelrl.audit.reasoning_gym."""
     from keelrl.audit.reasoning_gym import print_answer_report, run_answer_audit
+    from keelrl.components import check
     from keelrl.config import load_config
     from keelrl.envs.base import VerifierError
     from keelrl.envs.reasoning_gym import ReasoningGymEnvFactory, rg_tasks
@@ -310,7 +312,9 @@ def _audit_answers(args: argparse.Namespace) -> int:
     overrides = ["env.name=reasoning_gym", f"env.dataset={args.dataset or ''}",
                  *(f"env.{name}={getattr(args, name)}" for name in ("rg_size", "rg_seed")
                    if getattr(args, name) is not None)]
-    env = load_config(None, overrides).env  # checks the dataset (and that reasoning-gym is installed)
+    cfg = load_config(None, overrides)
+    check(cfg)  # checks the dataset (and that reasoning-gym is installed)
+    env = cfg.env
     tasks = rg_tasks(env.dataset, env.rg_size, env.rg_seed)
     tasks = tasks[:args.limit] if args.limit is not None else tasks
     make_env = ReasoningGymEnvFactory(env.dataset, env.rg_size, env.rg_seed, max_turns=1)
@@ -341,7 +345,7 @@ def _run_audit(args: argparse.Namespace, label: str, total: int, run: Callable[[
 
 
 def _cmd_model(args: argparse.Namespace) -> int:
-    from keelrl.policy.registry import ModelFetchError, fetch_model, list_models, model_cache_dir
+    from keelrl.policy.download import ModelFetchError, fetch_model, list_models, model_cache_dir
 
     if args.action == "list":
         table = Table(title=f"registered models (model.path=NAME; cache: {model_cache_dir()})")
@@ -425,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("name", nargs="?", help="fetch: the registered model name, e.g. smollm2")
     model.set_defaults(func=_cmd_model)
 
-    from keelrl.verifiers import VERIFIERS
+    from keelrl.envs.verifiers import VERIFIERS
 
     audit = sub.add_parser("audit", help="run cheating and rewritten solutions through every task's env and "
                                          "verifier; exit 1 if a cheat scores or a correct rewrite is rejected")

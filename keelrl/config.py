@@ -76,11 +76,6 @@ class ModelConfig:
     value_stop_gradient: bool = True
     """critic=head: the value loss does not update the policy body (the policy loss still does)."""
 
-    def __post_init__(self) -> None:
-        from keelrl.policy.critic import CRITICS
-
-        if self.critic not in CRITICS:
-            raise ConfigError("critic", f"unknown critic {self.critic!r}; valid names: {', '.join(CRITICS)}")
 
 
 @dataclasses.dataclass
@@ -111,10 +106,10 @@ class EnvConfig:
     partial_credit: bool = False
     """Training reward = (weighted) fraction of checks passed instead of all-or-nothing. It gives
     a model that rarely passes every check a signal (the tiny recipe uses it), but an untouched
-    file already passes most checks: in the SmolLM2 run, a malformed edit (the file left as it
-    was) earned 0.67 while a wrong edit earned less, and RL taught the model to stop editing
-    (action errors 25% -> 90%, held-out success 29% -> 8%). Strict success is logged beside it
-    either way (train/success)."""
+    file already passes most checks, so a malformed edit (the file left as it was) can earn more
+    than a wrong one and RL can learn to stop editing (seen with SmolLM2:
+    docs/history.md#what-it-took-to-get-there). Strict success is logged beside it either way
+    (train/success)."""
     key_check_weight: float = 1.0
     """Partial credit: the key check counts this many times (each check's own task weight,
     1 by default, applies too)."""
@@ -127,14 +122,10 @@ class EnvConfig:
     can already be the fix; with max_turns=1 an episode is one edit, then grading."""
 
     def __post_init__(self) -> None:
-        from keelrl.envs.registry import ENVIRONMENTS, check_env_section
-
         _positive(max_turns=self.max_turns, key_check_weight=self.key_check_weight, guess_n=self.guess_n,
                   guess_tasks=self.guess_tasks, rg_size=self.rg_size)
-        # An unregistered name is no error here: Trainer(cfg, env=spec) may bring its spec. It fails
-        # at the lookup (`env_spec`: the Trainer's first step, and `keel config`), listing the names.
-        if self.name in ENVIRONMENTS:
-            check_env_section(self, ENVIRONMENTS[self.name])
+        # The name and the fields that depend on the kind are checked where the environment is
+        # resolved (keelrl.components.check): Trainer(cfg, env=spec) may bring its own spec.
 
 
 @dataclasses.dataclass
@@ -146,8 +137,9 @@ class RolloutSettings:
     group_size: int = 4
     """Attempts per task (the group of group-relative advantages)."""
     temperature: float = 0.7
-    """Sampling temperature of training rollouts (SmolLM2 at 1.0 broke the tool format in 34-59%
-    of its actions, against 11% greedy)."""
+    """Sampling temperature of training rollouts: a higher one spreads a group's attempts further
+    apart, but a small model then breaks the tool format more often (measured for SmolLM2:
+    docs/measurements.md#sampling-temperature)."""
     top_p: float = 1.0
     """Nucleus sampling threshold."""
     max_new_tokens: int = 72
@@ -185,8 +177,6 @@ class RolloutSettings:
     wherever the OS runs them). With train.learner_cores, rollouts and learner never share a core."""
 
     def __post_init__(self) -> None:
-        from keelrl.rollout.engines import ENGINES
-
         _cores("worker_cores", self.worker_cores)
         _positive(tasks_per_step=self.tasks_per_step, group_size=self.group_size,
                   temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
@@ -195,8 +185,6 @@ class RolloutSettings:
                   worker_timeout_s=self.worker_timeout_s)
         if self.top_p > 1:
             raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.engine not in ENGINES:
-            raise ConfigError("engine", f"unknown engine {self.engine!r}; valid names: {', '.join(ENGINES)}")
         if self.max_staleness < 0:
             raise ConfigError("max_staleness", f"must be >= 0, got {self.max_staleness}")
         if self.dynamic_max_extra_groups < 0:
@@ -210,8 +198,8 @@ class TrainConfig:
     steps: int = 10
     """RL steps (each: rollouts, then updates)."""
     lr: float = 2e-5
-    """AdamW learning rate of the RL phase (SmolLM2, 10 steps: 5e-6 gave +6.7 points held-out, 2e-5
-    gave +11.5)."""
+    """AdamW learning rate of the RL phase (the default was picked on the default run:
+    docs/history.md#what-it-took-to-get-there)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     warmup_steps: int = 0
@@ -237,8 +225,8 @@ class TrainConfig:
     eval_dtype: str = "auto"
     """Weights' dtype when evaluating: float32, bfloat16 (a copy of the current weights is cast
     for the evaluation; training and rollouts are unaffected) or auto (bf16 on a CPU with
-    AMX-BF16, where greedy decoding measured 2x float32's speed in bench/bench_sampler.py; the
-    policy's own dtype elsewhere)."""
+    AMX-BF16, whose bf16 matrix units make greedy decoding faster than in float32; the policy's
+    own dtype elsewhere). Measured: docs/measurements.md#evaluation-dtype."""
     eval_temperature: float = 0.0
     """0 = greedy evaluation."""
     checkpoint_every: int = 5
@@ -256,17 +244,19 @@ class TrainConfig:
     learner_precision: str = "auto"
     """Precision of the learner's passes (warm start, RL updates, log-prob passes): float32,
     bfloat16 (autocast; weights and optimizer state stay float32 on CPU) or auto (the weights'
-    own dtype: float32 on CPU, where bf16 autocast measured 3.7x slower in bench/bench_learner.py;
-    bf16 on CUDA). Sampling always runs in the weights' dtype; the output head stays in it too."""
+    own dtype: float32 on CPU, where bf16 autocast ran slower than float32 (measured:
+    docs/measurements.md#learner-precision); bf16 on CUDA). Sampling always runs in the weights'
+    dtype; the output head stays in it too."""
     gradient_checkpointing: bool = False
     """Recompute the policy's layer activations in the backward pass instead of keeping them
     (less memory, about a third more compute per update)."""
     share_prefix: bool = True
     """Run the prompt a group's rows share once in the learner's passes (RL update, reference
     and old log-probs) and the rest of each row against its cached keys and values: the same
-    log-probs and gradients, about 2.3x less learner time in the default run (a ~185-token
-    prompt, ~25 action tokens, groups of 4; bench/bench_learner.py). Off under
-    gradient_checkpointing. The micro_batch_tokens budget counts each shared prompt once."""
+    log-probs and gradients in less time, the more so the larger the group and the longer the
+    shared prompt against each row's own tokens (measured: docs/measurements.md#shared-prompts).
+    Off under gradient_checkpointing. The micro_batch_tokens budget counts each shared prompt
+    once."""
 
     learner_cores: list[int] = dataclasses.field(default_factory=list)
     """Pin the learner's process to these CPU cores, with as many torch threads (empty: no pinning).
@@ -332,15 +322,15 @@ class CurriculumSettings:
     unnamed kinds are level 0. Empty: one level (the band alone decides)."""
 
     def __post_init__(self) -> None:
-        from keelrl.train.curriculum import CurriculumConfig
-
-        try:
-            CurriculumConfig(band=(self.band_low, self.band_high), probe_weight=self.probe_weight,
-                             advance_at=self.advance_at, min_attempts=self.min_attempts)
-        except ValueError as error:
-            field = next((name for name in ("band", "probe_weight", "advance_at", "min_attempts")
-                          if f"curriculum {name}" in str(error)), "enabled")
-            raise ConfigError("band_low" if field == "band" else field, str(error)) from None
+        if not 0.0 <= self.band_low <= self.band_high <= 1.0:
+            raise ConfigError("band_low", f"the band must satisfy 0 <= band_low <= band_high <= 1, got "
+                                          f"[{self.band_low}, {self.band_high}]")
+        if not 0.0 < self.probe_weight <= 1.0:
+            raise ConfigError("probe_weight", f"must be in (0, 1], got {self.probe_weight}")
+        if not 0.0 <= self.advance_at <= 1.0:
+            raise ConfigError("advance_at", f"must be in [0, 1], got {self.advance_at}")
+        if self.min_attempts < 1:
+            raise ConfigError("min_attempts", f"must be >= 1, got {self.min_attempts}")
         self.level_of()  # parses, or names the bad pair
 
     def level_of(self) -> dict[str, int]:
@@ -476,12 +466,7 @@ class MonitorConfig:
     """Alarm names that stop the run (after a checkpoint); 'any' for every alarm."""
 
     def __post_init__(self) -> None:
-        from keelrl.alarms import ALARMS
-
-        _positive(window=self.window, is_weight_max=self.is_weight_max)
-        unknown = [name for name in self.stop_on if name not in (*ALARMS, "any")]
-        if unknown:
-            raise ConfigError("stop_on", f"unknown alarm(s) {unknown}; valid names: {', '.join(ALARMS)}, any")
+        _positive(window=self.window, is_weight_max=self.is_weight_max)  # stop_on's names: keelrl.components
 
 
 WANDB_MODES = ("auto", "online", "offline", "disabled")
@@ -513,11 +498,6 @@ class LogConfig:
     environment; a store MLflow refuses fails when the Trainer is built)."""
 
     def __post_init__(self) -> None:
-        from keelrl.sinks import SINKS
-
-        unknown = [name for name in self.sinks if name not in SINKS]
-        if unknown:
-            raise ConfigError("sinks", f"unknown sink(s) {unknown}; valid names: {', '.join(SINKS)}")
         repeated = sorted({name for name in self.sinks if self.sinks.count(name) > 1})
         if repeated:
             raise ConfigError("sinks", f"{', '.join(repeated)} listed more than once in {self.sinks}")
@@ -564,10 +544,6 @@ class KeelConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not _DEVICE_PATTERN.match(self.device):
             raise ConfigError("device", f"must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
-        from keelrl.envs.registry import ENVIRONMENTS, check_run_config
-
-        if self.env.name in ENVIRONMENTS:
-            check_run_config(self, ENVIRONMENTS[self.env.name])
         if self.distill.mode == "self" and self.env.name != "coding":
             raise ConfigError("distill.mode", f"self-distillation shows the teacher each task's reference fix, which "
                                               f"only env.name=coding has (got env.name={self.env.name!r})")
@@ -683,9 +659,9 @@ def _nearest_keys(cls: type, key: str, prefix: str) -> list[str]:
     close = _closest(key, [f.name for f in dataclasses.fields(cls)])
     if close is not None:
         return [join(close)]
-    leaves = [path for path, _, _ in explain(cls, prefix=join(""))]
+    leaves = [row[0] for row in field_rows(cls, prefix=join(""))]
     if prefix:
-        leaves += [path for path, _, _ in explain(KeelConfig) if path not in leaves]
+        leaves += [row[0] for row in field_rows(KeelConfig) if row[0] not in leaves]
     by_name: dict[str, list[str]] = {}
     for path in leaves:
         by_name.setdefault(path.rsplit(".", 1)[-1], []).append(path)
@@ -751,33 +727,36 @@ def dump_config(cfg: Any) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
-def _choices(cls: type, name: str) -> list[str]:
-    """Valid values of a field that names a registered component, read from the registry."""
-    if cls is AlgoConfig:
-        from keelrl.algos.presets import choices_for
-
-        return choices_for(name)
-    if cls is LogConfig and name == "sinks":
-        from keelrl.sinks import SINKS
-
-        return list(SINKS)
-    return []
-
-
-def explain(cls: type = KeelConfig, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted field, default, help) for every leaf field of a config tree."""
+def field_rows(cls: type = KeelConfig, prefix: str = "") -> list[tuple[str, type, dataclasses.Field, str, str]]:
+    """(dotted field, its section's class, the field, repr of its default, help) for every leaf
+    field of a config tree (`keelrl.components.explain` adds each component field's choices)."""
     rows = []
     docs = field_docs(cls)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         path = f"{prefix}{f.name}"
         if dataclasses.is_dataclass(hints[f.name]):
-            rows.extend(explain(hints[f.name], prefix=f"{path}."))
+            rows.extend(field_rows(hints[f.name], prefix=f"{path}."))
             continue
         default = f.default if f.default is not dataclasses.MISSING else "..."
-        help_text = docs.get(f.name, "")
-        choices = _choices(cls, f.name)
-        if choices:
-            help_text += f" Choices: {', '.join(choices)}."
-        rows.append((path, repr(default), help_text))
+        rows.append((path, cls, f, repr(default), docs.get(f.name, "")))
     return rows
+
+
+def with_paths(cfg: KeelConfig, *, model: str | Path | None = None, tasks: str | Path | None = None,
+               run_dir: str | Path | None = None, env_name: str | None = None) -> KeelConfig:
+    """`cfg` with model.path, env.tasks, run_dir and env.name set where given, validated again.
+
+    The values are set as strings, not parsed as YAML: a path named `1e3` or `true` stays a path."""
+    if model is None and tasks is None and run_dir is None and (env_name is None or env_name == cfg.env.name):
+        return cfg
+    data = to_dict(cfg)
+    if env_name is not None:
+        data["env"]["name"] = env_name
+    if model is not None:
+        data["model"]["path"] = str(model)
+    if tasks is not None:
+        data["env"]["tasks"] = str(tasks)
+    if run_dir is not None:
+        data["run_dir"] = str(run_dir)
+    return from_dict(KeelConfig, data)

@@ -10,12 +10,12 @@ importance weight.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Mapping
 
+from keelrl.runs import last_step, read_metrics
 from keelrl.sinks import SINKS, Sink, SinkContext
 
 if TYPE_CHECKING:
@@ -90,53 +90,6 @@ class MetricsLogger:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  trace: TracebackType | None) -> None:
         self.close(error)
-
-
-def last_step(path: str | Path) -> int | None:
-    """The "step" of a JSONL log's last complete line (a torn last line is skipped); None if none."""
-    path = Path(path)
-    if not path.exists():
-        return None
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    for line in reversed(lines[-2:]):
-        try:
-            return int(json.loads(line)["step"])
-        except ValueError:
-            continue
-    return None
-
-
-def truncate_jsonl(path: str | Path, step: int) -> None:
-    """Keep the lines of a JSONL log whose "step" is at most `step`, replacing the file atomically.
-
-    A kill during an append leaves a torn last line: it is dropped. A line that does not parse
-    anywhere else is corruption, not a kill, and raises ValueError naming the line."""
-    from keelrl.train.checkpoint import atomic_write_text
-
-    path = Path(path)
-    if not path.exists():
-        return
-    text = path.read_text()
-    lines = text.split("\n")
-    kept = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as error:
-            torn = number == len(lines) and not text.endswith("\n")
-            if torn:
-                continue
-            raise ValueError(f"{path}:{number}: not a JSON line ({error})") from error
-        if row["step"] <= step:
-            kept.append(line)
-    atomic_write_text(path, "".join(line + "\n" for line in kept))
-
-
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 CHARTS = {

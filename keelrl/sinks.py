@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 from urllib.parse import urlsplit
 
 from keelrl.errors import ConfigError
+from keelrl.registry import Registry
 
 if TYPE_CHECKING:
     from keelrl.config import LogConfig
@@ -86,6 +87,8 @@ class Sink:
     """One destination of the metrics rows (see the module docstring for the calls it gets)."""
 
     name: ClassVar[str]
+    summary: ClassVar[str] = ""
+    """One line for listings of the sinks."""
     package: ClassVar[str | None] = None
     """The module the sink needs, installed by keelrl's extra of the sink's name; None: none."""
 
@@ -108,15 +111,13 @@ class Sink:
         """Flush and release; `error` is what ended the run, if anything did."""
 
 
-SINKS: dict[str, type[Sink]] = {}
+SINKS: Registry[type[Sink]] = Registry("sink")
 """Sink name -> class, in registration order (`log.sinks` choices)."""
 
 
 def register_sink(cls: type[Sink]) -> type[Sink]:
-    if cls.name in SINKS:
-        raise ValueError(f"duplicate sink name {cls.name!r}: already registered by {SINKS[cls.name].__qualname__}")
-    SINKS[cls.name] = cls
-    return cls
+    """Class decorator: register `cls` under `cls.name` (a duplicate name raises ValueError)."""
+    return SINKS.add(cls.name, cls, summary=cls.summary)
 
 
 def check_sinks(settings: LogConfig, run_dir: str | Path) -> None:
@@ -164,9 +165,10 @@ class JsonlSink(Sink):
     lines after resume_after (and a torn last line a kill left), atomically."""
 
     name = "jsonl"
+    summary = "run_dir/metrics.jsonl, one JSON line per step (the run's record)"
 
     def __init__(self, context: SinkContext) -> None:
-        from keelrl.monitor import truncate_jsonl
+        from keelrl.runs import truncate_jsonl
 
         super().__init__(context)
         self.path = context.run_dir / "metrics.jsonl"
@@ -184,6 +186,7 @@ class TensorBoardSink(Sink):
     so repeated steps are not plotted twice."""
 
     name = "tensorboard"
+    summary = "run_dir/tb, each numeric value as a scalar"
 
     def __init__(self, context: SinkContext) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -208,8 +211,8 @@ class RemoteRunSink(Sink):
     record: ClassVar[str]
 
     def __init__(self, context: SinkContext) -> None:
-        from keelrl.monitor import read_metrics
-        from keelrl.train.checkpoint import atomic_write_text
+        from keelrl.runs import read_metrics
+        from keelrl.runs import atomic_write_text
 
         super().__init__(context)
         record_path = context.run_dir / self.record
@@ -283,6 +286,7 @@ class WandbSink(RemoteRunSink):
     an error that ends the run finishes it with exit code 1 (failed)."""
 
     name = "wandb"
+    summary = "a Weights & Biases run"
     package = "wandb"
     record = "wandb_run.json"
 
@@ -362,6 +366,7 @@ class MlflowSink(RemoteRunSink):
     metrics at the last step; closed FINISHED, FAILED, or KILLED (Ctrl-C)."""
 
     name = "mlflow"
+    summary = "an MLflow run"
     package = "mlflow"
     record = "mlflow_run.json"
 

@@ -1,7 +1,16 @@
-import os
+"""Setup the tests share: hypothesis and torch settings, the tiny models' specs, a saved tiny model
+directory and the overrides that make a training run quick. Tests import the constants and helpers
+as `from conftest import SMALL, FAST_RUN, ...`; pytest finds the fixtures by name."""
 
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
 import torch
 from hypothesis import settings
+
+from keelrl.policy.tiny import TinyModelSpec, build_tiny_model, save_tiny_default
 
 # Deterministic examples under CI (CI=true), fresh ones on a developer's machine.
 settings.register_profile("keel", deadline=None, derandomize=os.environ.get("CI") == "true")
@@ -13,3 +22,29 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 def available_devices() -> list[str]:
     """CPU always; CUDA as well where a GPU is present, so the GPU path runs wherever it can."""
     return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+SMALL = TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, max_positions=2048)
+"""The tiny model the training tests run (saved once as `tiny_model_dir`). tests/golden_runs.py
+keeps its own copy: the golden files were recorded with it and must not move with this one."""
+
+FLOAT64 = TinyModelSpec(layers=2, hidden=32, heads=4, kv_heads=2, intermediate=48, max_positions=64)
+"""The smaller in-memory model of the float64 reference tests (`float64_model`)."""
+
+FAST_RUN = ("warm_start.demos=4", "warm_start.epochs=1", "warm_start.batch_size=4", "rollout.tasks_per_step=2",
+            "rollout.group_size=2", "rollout.max_new_tokens=16", "env.max_turns=2")
+"""Overrides (after TINY_RUN) that make a training run on the tiny model take seconds: a warm
+start of one epoch over 4 demos, RL steps of 2 tasks x 2 samples, episodes of at most 2 turns
+of 16 new tokens. Steps, evaluation, minibatches and engine are left to each test."""
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """SMALL saved once per session as a model directory. Every test that asks for it gets the
+    same directory: read it, train from it, never write into it."""
+    return save_tiny_default(tmp_path_factory.mktemp("tiny-model"), SMALL)
+
+
+def float64_model(vocab: int, seed: int = 0):
+    """A FLOAT64-sized Qwen2 over `vocab` tokens (pad 0, end 1) with weights from `seed`, in float64."""
+    return build_tiny_model(replace(FLOAT64, seed=seed), vocab, pad_token_id=0, eos_token_id=1).double()

@@ -91,7 +91,7 @@ def ratio_jacobian(name: str, logp: Grid, old_logp: Grid, mask: Mask,
 
 def aggregation_weights(mode: str, mask: Mask, agg_constant: int | None) -> Grid:
     """d loss / d per_token[b][t] for each aggregation mode (0 off the mask)."""
-    batch, length = len(mask), len(mask[0])
+    batch = len(mask)
     total_tokens = sum(1 for row in mask for m in row if m)
     rows_with_tokens = sum(1 for row in mask if any(row))
     out: Grid = []
@@ -118,7 +118,7 @@ def aggregation_weights(mode: str, mask: Mask, agg_constant: int | None) -> Grid
 
 def aggregate(mode: str, per_token: Grid, mask: Mask, agg_constant: int | None) -> float:
     """Scalar loss from per-token values, looping the way each mode is defined."""
-    batch, length = len(mask), len(mask[0])
+    batch = len(mask)
     if mode == "token_mean":
         total, count = 0.0, 0
         for v_row, m_row in zip(per_token, mask):

@@ -17,7 +17,7 @@ from reference_advantages import GROUP_ESTIMATORS, STEP_ESTIMATORS, reference_ad
 F64 = torch.float64
 EXACT = dict(rtol=0.0, atol=1e-12)  # hand-worked numbers, computed in float64
 GROUP_NAMES = ("grpo", "dr_grpo", "rloo")  # the estimators with a group baseline
-CRITIC_NAMES = tuple(e.name for e in ADVANTAGES if "critic" in e.tags)
+CRITIC_NAMES = tuple(e.name for e in ADVANTAGES.entries() if "critic" in e.tags)
 
 
 def run(name: str, *, token_rewards, mask, group_ids=None, values=None, turn_ids=None, **cfg_fields):

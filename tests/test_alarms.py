@@ -6,11 +6,12 @@ import json
 
 import pytest
 
+from keelrl.components import check
 from keelrl.alarms import AlarmMonitor, distinct_patches
 from keelrl.config import TINY_RUN, MonitorConfig, load_config
 from keelrl.errors import ConfigError
 from keelrl.rollout.trajectory import Trajectory
-from keelrl.train.checkpoint import latest_checkpoint
+from keelrl.runs import latest_checkpoint
 
 
 def feed(rows, **cfg):
@@ -117,19 +118,15 @@ def test_distinct_patches_counts_edit_sequences_per_group():
 
 def test_stop_on_names_are_checked():
     with pytest.raises(ConfigError, match="monitor.stop_on"):
-        load_config(overrides=["monitor.stop_on=[entropy]"])
+        check(load_config(overrides=["monitor.stop_on=[entropy]"]))
 
 
-def test_a_run_stops_on_its_alarm_and_writes_samples_around_it(tmp_path_factory):
-    from keelrl.policy.tiny import TinyModelSpec, save_tiny_default
+def test_a_run_stops_on_its_alarm_and_writes_samples_around_it(tiny_model_dir, tmp_path_factory):
     from keelrl.train.trainer import Trainer
 
-    model_dir = save_tiny_default(tmp_path_factory.mktemp("model"),
-                                  TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128,
-                                                max_positions=2048))
     run_dir = tmp_path_factory.mktemp("run")
     cfg = load_config(overrides=[*TINY_RUN, 
-        f"run_dir={run_dir}", f"model.path={model_dir}", "rollout.engine=sync", "train.steps=4",
+        f"run_dir={run_dir}", f"model.path={tiny_model_dir}", "rollout.engine=sync", "train.steps=4",
         "monitor.is_weight_max=1e-6", "monitor.stop_on=[importance_weight]", "train.eval_tasks=2",
         "warm_start.demos=4", "warm_start.epochs=1", "rollout.tasks_per_step=2", "rollout.group_size=2",
         "rollout.max_new_tokens=16", "env.max_turns=2", "train.minibatch_size=4"])

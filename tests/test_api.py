@@ -10,23 +10,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import FAST_RUN
 
 import keelrl
 from keelrl.api import with_paths
 from keelrl.config import KeelConfig, load_config
 from keelrl.errors import ConfigError
-from keelrl.policy.tiny import TinyModelSpec, save_tiny_default
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL = TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, max_positions=2048)
-FAST = ["train.eval_tasks=3", "warm_start.demos=4", "warm_start.epochs=1", "warm_start.batch_size=4",
-        "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=16", "env.max_turns=2",
-        "train.minibatch_size=4", "train.eval_base=false", "rollout.engine=sync"]
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    return save_tiny_default(tmp_path_factory.mktemp("model"), SMALL)
+FAST = [*FAST_RUN, "train.eval_tasks=3", "train.minibatch_size=4", "train.eval_base=false", "rollout.engine=sync"]
 
 
 def test_import_keelrl_is_light_and_names_resolve():
@@ -77,7 +69,7 @@ def test_with_paths_keeps_paths_as_strings():
     assert with_paths(cfg) is cfg
 
 
-def test_quickstart_three_lines_run_as_written(model, tmp_path, monkeypatch):
+def test_quickstart_three_lines_run_as_written(tiny_model_dir, tmp_path, monkeypatch):
     """docs/quickstart.md's Python block, executed; only its size is cut (configure gets the fast
     overrides appended and `model="tiny"` becomes the small tiny model)."""
     page = (REPO / "docs" / "quickstart.md").read_text()
@@ -87,17 +79,17 @@ def test_quickstart_three_lines_run_as_written(model, tmp_path, monkeypatch):
     assert code.count("\n") == 3 and "keelrl.Trainer(" in code and ".train()" in code
     original = keelrl.configure
     monkeypatch.setattr(keelrl, "configure", lambda *args: original(*args, *FAST, f"run_dir={tmp_path / 'run'}",
-                                                                    f"model.path={model}"))
+                                                                    f"model.path={tiny_model_dir}"))
     monkeypatch.chdir(REPO)
     namespace: dict = {}
-    exec(code.replace('model="tiny"', f'model="{model}"'), namespace)  # noqa: S102
+    exec(code.replace('model="tiny"', f'model="{tiny_model_dir}"'), namespace)  # noqa: S102
     summary = namespace["summary"]
     assert summary["steps"] == 2
     assert json.loads((tmp_path / "run" / "summary.json").read_text()) == summary
 
 
-def test_warm_start_then_train_from_it(model, tmp_path):
-    cfg = keelrl.configure(None, *FAST, f"model.path={model}", f"run_dir={tmp_path / 'w'}")
+def test_warm_start_then_train_from_it(tiny_model_dir, tmp_path):
+    cfg = keelrl.configure(None, *FAST, f"model.path={tiny_model_dir}", f"run_dir={tmp_path / 'w'}")
     warm = keelrl.warm_start(cfg, tmp_path / "warm")
     assert (warm / "config.json").exists() and (warm / "tokenizer_config.json").exists()
     trainer = keelrl.Trainer(keelrl.configure(cfg, "train.steps=1", "warm_start.demos=0"), model=warm,
@@ -107,7 +99,7 @@ def test_warm_start_then_train_from_it(model, tmp_path):
     assert summary["steps"] == 1 and "warm_start/demos" not in summary  # no second warm start
 
 
-def test_a_user_advantage_estimator_plugs_in_by_name(model, tmp_path):
+def test_a_user_advantage_estimator_plugs_in_by_name(tiny_model_dir, tmp_path):
     """Registered through the public registry, then named in the config like a built-in one."""
     import torch
 
@@ -125,7 +117,7 @@ def test_a_user_advantage_estimator_plugs_in_by_name(model, tmp_path):
     keelrl.ADVANTAGES.register("test_sign_of_reward", summary="+1 / -1 by the episode's reward")(sign_of_reward)
     try:
         cfg = keelrl.configure(None, *FAST, "algo.advantage=test_sign_of_reward", "train.steps=1",
-                               f"model.path={model}", f"run_dir={tmp_path / 'run'}")
+                               f"model.path={tiny_model_dir}", f"run_dir={tmp_path / 'run'}")
         assert cfg.algo.advantage == "test_sign_of_reward"
         keelrl.Trainer(cfg).train()
     finally:  # the registry is process-wide: leave it as keelrl fills it (docs/algorithms.md is generated from it)

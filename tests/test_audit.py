@@ -44,7 +44,7 @@ from keelrl.envs.coding import CodingEnv
 from keelrl.envs.coding_tasks import bundled_tasks
 from keelrl.envs.tasks import Check, Task, render_test_file, save_tasks
 from keelrl.sandbox import IsolationReport, Sandbox, SandboxLimits, SandboxResult
-from keelrl.verifiers import Verifier, make_verifier, run_visible_tests
+from keelrl.envs.verifiers import Verifier, make_verifier, run_visible_tests
 from task_fixtures import FIXED, retry_task
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="the coding env needs git")

@@ -10,7 +10,12 @@ pytest.importorskip("reasoning_gym")
 
 from keelrl.audit import FALSE_POSITIVE_PROBES, REWRITES  # noqa: E402
 from keelrl.audit.probes import FALSE_POSITIVE, REWRITE  # noqa: E402
-from keelrl.audit.reasoning_gym import ANSWER_PROBES, NOT_APPLICABLE, run_answer_audit  # noqa: E402
+from keelrl.audit.reasoning_gym import (  # noqa: E402
+    ANSWER_PROBES,
+    NOT_APPLICABLE,
+    answer_probe_kind,
+    run_answer_audit,
+)
 from keelrl.cli import main  # noqa: E402
 from keelrl.envs import reasoning_gym as rg_env  # noqa: E402
 from keelrl.envs.reasoning_gym import ReasoningGymEnv, rg_tasks  # noqa: E402
@@ -41,7 +46,7 @@ def audit_json(capsys, *args: str) -> tuple[int, dict]:
 
 def test_the_probes_are_registered_with_their_kinds():
     assert list(ANSWER_PROBES) == FALSE_POSITIVES + CORRECT
-    assert {family: kind for family, (kind, _) in ANSWER_PROBES.items()} == \
+    assert {family: answer_probe_kind(family) for family in ANSWER_PROBES} == \
         {**{f: FALSE_POSITIVE for f in FALSE_POSITIVES}, **{f: REWRITE for f in CORRECT}}
 
 

@@ -19,7 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from bench import gpu
 from keelrl.algos.config import AlgoConfig
-from keelrl.train.trainer import enable_gradient_checkpointing
+from keelrl.train.learner import enable_gradient_checkpointing
 
 REPO = Path(__file__).resolve().parents[1]
 

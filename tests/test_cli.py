@@ -129,19 +129,19 @@ def test_docs_algorithm_table_is_what_the_registries_generate():
     from pathlib import Path
 
     from keelrl.algos import ALL, PRESETS
-    from keelrl.algos.presets import comparison_markdown
+    from keelrl.algos.catalogue import comparison_markdown
 
     committed = (Path(__file__).resolve().parents[1] / "docs" / "algorithms.md").read_text()
     assert committed == comparison_markdown(), "regenerate: keel algos --format markdown > docs/algorithms.md"
     for name in PRESETS:
         assert f"| `{name}` |" in committed
     for registry in ALL.values():
-        for entry in registry:
+        for entry in registry.entries():
             assert f"| `{entry.name}` |" in committed
 
 
 def test_keel_algos_markdown_prints_the_same_text(capsys):
-    from keelrl.algos.presets import comparison_markdown
+    from keelrl.algos.catalogue import comparison_markdown
     from keelrl.cli import main
 
     assert main(["algos", "--format", "markdown"]) == 0

@@ -226,7 +226,7 @@ def test_most_wrong_fixes_pass_the_key_check():
 def test_a_sample_of_every_kind_passes_sandboxed_behavioural_validation():
     # The in-process harness above is trusted; this cross-checks through the real sandboxed
     # verifier: two tasks of every kind plus the lecture's fixture.
-    from keelrl.verifiers import check_tasks
+    from keelrl.envs.verifiers import check_tasks
 
     tasks = generate_tasks()
     sample, per_kind = [tasks[0]], {}

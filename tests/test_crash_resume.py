@@ -5,7 +5,6 @@ resumes, with exactly the metrics of an uninterrupted run."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import signal
@@ -15,23 +14,16 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import FAST_RUN
 
 from keelrl.config import TINY_RUN, LogConfig
-from keelrl.monitor import MetricsLogger, truncate_jsonl
-from keelrl.policy.tiny import TinyModelSpec, save_tiny_default
-from keelrl.train.checkpoint import CheckpointError, atomic_write_text, latest_checkpoint, save_checkpoint
+from keelrl.monitor import MetricsLogger
+from keelrl.runs import truncate_jsonl
+from keelrl.runs import CheckpointError, atomic_write_text, latest_checkpoint, save_checkpoint
 
-SMALL = TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, max_positions=2048)
 KEEL = str(Path(sys.executable).parent / "keel")
-RUN = [*TINY_RUN, "rollout.engine=sync", "train.steps=6", "train.checkpoint_every=1", "train.eval_every=3",
-       "train.eval_tasks=3", "warm_start.demos=4", "warm_start.epochs=1", "warm_start.batch_size=4",
-       "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=16", "env.max_turns=2",
-       "train.minibatch_size=2", "train.sample_trajectories=1"]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return save_tiny_default(tmp_path_factory.mktemp("model"), SMALL)
+RUN = [*TINY_RUN, *FAST_RUN, "rollout.engine=sync", "train.steps=6", "train.checkpoint_every=1", "train.eval_every=3",
+       "train.eval_tasks=3", "train.minibatch_size=2", "train.sample_trajectories=1"]
 
 
 # ------------------------------------------------------------------ the pieces
@@ -132,9 +124,9 @@ def _kill_at(process: subprocess.Popen, run_dir: Path, mode: str, delay: float) 
 
 
 @pytest.mark.parametrize("kills", [3, pytest.param(12, marks=pytest.mark.slow)])
-def test_a_run_killed_at_random_moments_ends_like_an_uninterrupted_one(model_dir, tmp_path, kills):
+def test_a_run_killed_at_random_moments_ends_like_an_uninterrupted_one(tiny_model_dir, tmp_path, kills):
     whole = tmp_path / "whole"
-    done = subprocess.run([KEEL, "train", *RUN, f"model.path={model_dir}", f"run_dir={whole}"],
+    done = subprocess.run([KEEL, "train", *RUN, f"model.path={tiny_model_dir}", f"run_dir={whole}"],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -149,7 +141,7 @@ def test_a_run_killed_at_random_moments_ends_like_an_uninterrupted_one(model_dir
         lives += 1
         assert lives <= 6 * kills, f"{killed} after {lives} lives: the run keeps finishing before its kill"
         mode = "write" if sum(killed.values()) % 2 == 0 else "random"
-        process = _start(run_dir, model_dir)
+        process = _start(run_dir, tiny_model_dir)
         outcome = _kill_at(process, run_dir, mode, delay=rng.uniform(2.0, 12.0))
         if outcome == "finished":
             assert process.returncode == 0, process.stderr.read()[-3000:]
@@ -162,7 +154,7 @@ def test_a_run_killed_at_random_moments_ends_like_an_uninterrupted_one(model_dir
             assert resumed.returncode == 2 and "nothing to resume" in resumed.stderr, resumed.stderr[-2000:]
         else:
             latest_checkpoint(run_dir)  # the pointer always names a whole checkpoint
-    final = _start(run_dir, model_dir)  # resume, or start over when the last kill came before step 0
+    final = _start(run_dir, tiny_model_dir)  # resume, or start over when the last kill came before step 0
     _, errors = final.communicate(timeout=900)
     assert final.returncode == 0, errors[-3000:]
     assert killed["write"] >= 1 and killed["random"] >= 1, killed

@@ -7,7 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from keelrl.train.curriculum import Curriculum, CurriculumConfig
+from keelrl.config import CurriculumSettings
+from keelrl.errors import ConfigError
+from keelrl.train.curriculum import Curriculum
 
 events = st.lists(st.one_of(st.tuples(st.just("record"), st.integers(0, 1000), st.booleans()),
                             st.tuples(st.just("update"), st.just(0), st.just(False)),
@@ -19,8 +21,8 @@ events = st.lists(st.one_of(st.tuples(st.just("record"), st.integers(0, 1000), s
        band=st.tuples(st.floats(0, 1), st.floats(0, 1)).map(sorted),
        probe=st.floats(0.01, 1.0), advance=st.floats(0, 1), attempts=st.integers(1, 4))
 def test_weights_never_decrease_and_all_end_at_one(levels, history, band, probe, advance, attempts):
-    curriculum = Curriculum(levels, CurriculumConfig(band=tuple(band), probe_weight=probe, advance_at=advance,
-                                                     min_attempts=attempts))
+    curriculum = Curriculum(levels, CurriculumSettings(band_low=band[0], band_high=band[1], probe_weight=probe,
+                                                       advance_at=advance, min_attempts=attempts))
     previous, level = list(curriculum.weights), curriculum.level
     assert any(w > 0 for w in previous)  # the easiest level is admitted from the start
     for kind, value, success in history:
@@ -41,7 +43,7 @@ def test_weights_never_decrease_and_all_end_at_one(levels, history, band, probe,
 
 
 def test_levels_rise_with_success_and_the_band_gets_full_weight():
-    cfg = CurriculumConfig(band=(0.2, 0.8), probe_weight=0.25, advance_at=0.6, min_attempts=2)
+    cfg = CurriculumSettings(band_low=0.2, band_high=0.8, probe_weight=0.25, advance_at=0.6, min_attempts=2)
     curriculum = Curriculum([0, 0, 1, 1, 2], cfg)
     assert curriculum.weights == [0.25, 0.25, 0, 0, 0] and curriculum.level == 0
     for success in (True, False):  # task 0 solved half the time: in the band
@@ -63,8 +65,25 @@ def test_levels_rise_with_success_and_the_band_gets_full_weight():
     assert metrics["curriculum/band_occupancy"] == pytest.approx(0.5)  # task 1 in (6/8), task 0 out (5/6)
 
 
+def test_mastering_the_last_level_finishes_with_every_weight_one():
+    cfg = CurriculumSettings(band_low=0.2, band_high=0.8, probe_weight=0.25, advance_at=0.6, min_attempts=2)
+    curriculum = Curriculum([0, 0, 1], cfg)
+    for task in (0, 1):
+        curriculum.record(task, True)
+        curriculum.record(task, True)
+    curriculum.update()  # level 0 mastered (mean 1.0): level 1 admitted, not yet measured
+    assert curriculum.level == 1 and curriculum.weights == [0.25, 0.25, 0.25]
+    curriculum.record(2, True)
+    curriculum.record(2, False)  # level 1 at 0.5 < 0.6: not mastered, in the band
+    curriculum.update()
+    assert curriculum.weights == [0.25, 0.25, 1.0]
+    curriculum.record(2, True)  # 2/3 >= 0.6: the last level mastered
+    curriculum.update()
+    assert curriculum.weights == [1.0, 1.0, 1.0] and curriculum.level == 1
+
+
 def test_sampling_follows_the_weights():
-    curriculum = Curriculum([0, 0, 0], CurriculumConfig(min_attempts=1), seed=3)
+    curriculum = Curriculum([0, 0, 0], CurriculumSettings(min_attempts=1), seed=3)
     curriculum.weights = [1.0, 0.25, 0.0]
     counts = [0, 0, 0]
     for _ in range(4000):
@@ -74,27 +93,25 @@ def test_sampling_follows_the_weights():
 
 
 def test_bad_curriculum_settings_are_named():
-    with pytest.raises(ValueError, match="band"):
-        CurriculumConfig(band=(0.9, 0.1))
-    with pytest.raises(ValueError, match="probe_weight"):
-        CurriculumConfig(probe_weight=0.0)
+    with pytest.raises(ConfigError, match="band") as info:
+        CurriculumSettings(band_low=0.9, band_high=0.1)
+    assert info.value.field == "band_low"
+    with pytest.raises(ConfigError, match="probe_weight"):
+        CurriculumSettings(probe_weight=0.0)
     with pytest.raises(ValueError, match="at least one task"):
         Curriculum([])
 
 
-def test_a_run_draws_only_admitted_tasks_logs_the_curriculum_and_resumes_it(tmp_path):
+def test_a_run_draws_only_admitted_tasks_logs_the_curriculum_and_resumes_it(tiny_model_dir, tmp_path):
     import json
 
     from keelrl.config import TINY_RUN, load_config
-    from keelrl.policy.tiny import TinyModelSpec, save_tiny_default
     from keelrl.train.trainer import Trainer, load_task_splits
 
-    model_dir = save_tiny_default(tmp_path / "model", TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2,
-                                                                    intermediate=128, max_positions=2048))
-    base = [*TINY_RUN, f"model.path={model_dir}", "rollout.engine=sync", "train.eval_every=3", "train.eval_tasks=2",
-            "warm_start.demos=4", "rollout.tasks_per_step=3", "rollout.group_size=2", "rollout.max_new_tokens=16",
-            "env.max_turns=2", "train.steps=3", "train.checkpoint_every=1", "curriculum.enabled=true",
-            "curriculum.min_attempts=1"]
+    base = [*TINY_RUN, f"model.path={tiny_model_dir}", "rollout.engine=sync", "train.eval_every=3",
+            "train.eval_tasks=2", "warm_start.demos=4", "rollout.tasks_per_step=3", "rollout.group_size=2",
+            "rollout.max_new_tokens=16", "env.max_turns=2", "train.steps=3", "train.checkpoint_every=1",
+            "curriculum.enabled=true", "curriculum.min_attempts=1"]
     train_tasks, _ = load_task_splits(load_config(overrides=base))
     kinds = sorted({task.kind for task in train_tasks})
     easy = kinds[0]

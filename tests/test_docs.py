@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 
 from keelrl.cli import _looks_like_override, build_parser
-from keelrl.config import KeelConfig, explain, load_config
+from keelrl.components import explain
+from keelrl.config import KeelConfig, load_config
 from keelrl.errors import ConfigError
 from keelrl.labs import LABS
 
@@ -403,7 +404,7 @@ def test_the_chat_template_example_works_with_keelrl():
 def test_the_example_task_is_the_bundled_one_and_validates():
     from keelrl.envs.coding_tasks import bundled_tasks
     from keelrl.envs.tasks import task_from_dict
-    from keelrl.verifiers import check_tasks
+    from keelrl.envs.verifiers import check_tasks
 
     (body,) = [body for info, body in fenced_blocks(text(REPO / "docs" / "guide-tasks.md")) if info == "json"]
     task = task_from_dict(json.loads(body))

@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from keelrl.config import TINY_RUN, load_config
-from keelrl.policy.tiny import TinyModelSpec, save_tiny_default
 from keelrl.rollout.trajectory import Trajectory
 from keelrl.train.dynamic import fill_batch, is_mixed
 from keelrl.train.trainer import Trainer
@@ -75,13 +74,10 @@ def test_bad_fill_arguments_are_rejected():
 
 
 @pytest.mark.parametrize("engine", ["sync", "async"])
-def test_trainer_with_dapo_fills_with_extra_groups(tmp_path_factory, engine):
-    model_dir = save_tiny_default(tmp_path_factory.mktemp("model"),
-                                  TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128,
-                                                max_positions=2048))
+def test_trainer_with_dapo_fills_with_extra_groups(tiny_model_dir, tmp_path_factory, engine):
     run_dir = tmp_path_factory.mktemp("run")
     cfg = load_config(overrides=[*TINY_RUN, 
-        f"run_dir={run_dir}", f"model.path={model_dir}", "algo.preset=dapo", f"rollout.engine={engine}",
+        f"run_dir={run_dir}", f"model.path={tiny_model_dir}", "algo.preset=dapo", f"rollout.engine={engine}",
         "rollout.dynamic_max_extra_groups=3", "train.steps=2", "train.eval_tasks=2", "train.eval_every=10",
         "warm_start.demos=4", "warm_start.epochs=1", "rollout.tasks_per_step=2", "rollout.group_size=3",
         "rollout.max_new_tokens=16", "env.max_turns=2", "train.minibatch_size=6", "train.sample_trajectories=0"])

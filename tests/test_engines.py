@@ -8,21 +8,20 @@ import time
 
 import pytest
 import torch
+from conftest import FAST_RUN
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from keelrl.components import check
 from keelrl.algos import AlgoConfig, policy_objective
 from keelrl.config import TINY_RUN, load_config
 from keelrl.envs.base import CheckResult, Grade
 from keelrl.errors import ConfigError
 from keelrl.policy.model import load_policy
 from keelrl.policy.sampling import SamplingConfig
-from keelrl.policy.tiny import TinyModelSpec, save_tiny_default
 from keelrl.rollout.engines import LocalEngine, staleness_metrics
 from keelrl.rollout.scheduler import GroupRequest, RolloutConfig
 from keelrl.train.trainer import Trainer
-
-SMALL = TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, max_positions=2048)
 
 
 class ByteTokenizer:
@@ -142,14 +141,8 @@ def test_staleness_metrics_count_trajectories_and_tokens_per_lag():
     assert m["rollout/token_share_lag_2"] == pytest.approx(2 / 6)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_default(tmp_path_factory.mktemp("model"), SMALL)
-
-
-FAST = ["train.eval_tasks=2", "warm_start.demos=4", "warm_start.epochs=1", "warm_start.batch_size=4",
-        "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=16", "env.max_turns=2",
-        "train.eval_every=10", "train.minibatch_size=2", "train.sample_trajectories=0", "train.steps=3"]
+FAST = [*FAST_RUN, "train.eval_tasks=2", "train.eval_every=10", "train.minibatch_size=2", "train.sample_trajectories=0",
+        "train.steps=3"]
 
 
 class RecordingTrainer(Trainer):
@@ -159,10 +152,10 @@ class RecordingTrainer(Trainer):
         return super().rl_step(step, rollouts, started)
 
 
-def test_async_engine_at_zero_staleness_reproduces_the_sync_engine(model_dir, tmp_path):
+def test_async_engine_at_zero_staleness_reproduces_the_sync_engine(tiny_model_dir, tmp_path):
     runs = {}
     for engine in ("sync", "async"):
-        cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path / engine}", f"model.path={model_dir}",
+        cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path / engine}", f"model.path={tiny_model_dir}",
                                      f"rollout.engine={engine}", "rollout.max_staleness=0", *FAST])
         trainer = RecordingTrainer(cfg)
         trainer.run()
@@ -181,12 +174,12 @@ def test_async_engine_at_zero_staleness_reproduces_the_sync_engine(model_dir, tm
             assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
 
 
-def test_behaviour_logprobs_equal_a_recompute_under_the_weights_that_sampled_them(model_dir):
+def test_behaviour_logprobs_equal_a_recompute_under_the_weights_that_sampled_them(tiny_model_dir):
     """Weights change every step while episodes are in flight; each turn is checked against its version."""
     from keelrl.envs.coding import CodingEnv
     from keelrl.envs.coding_tasks import bundled_tasks
 
-    model, tokenizer = load_policy(str(model_dir), "cpu")
+    model, tokenizer = load_policy(str(tiny_model_dir), "cpu")
     tasks = bundled_tasks(None)[:6]
 
     def requests_for(step):
@@ -241,7 +234,7 @@ def test_behaviour_logprobs_equal_a_recompute_under_the_weights_that_sampled_the
 
 def test_engine_settings_are_validated_by_name():
     with pytest.raises(ConfigError, match="rollout.engine"):
-        load_config(overrides=["rollout.engine=threads"])
+        check(load_config(overrides=["rollout.engine=threads"]))
     with pytest.raises(ConfigError, match="rollout.max_staleness"):
         load_config(overrides=["rollout.max_staleness=-1"])
     with pytest.raises(ConfigError, match="behaviour_weight_cap"):

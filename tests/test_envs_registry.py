@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from keelrl.components import check
 from keelrl.alarms import PATCH_TOOLS
 from keelrl.cli import main
 from keelrl.config import TINY_RUN, load_config
@@ -78,11 +79,13 @@ def say_spec(**changes: Any) -> EnvSpec:
 
 @pytest.fixture
 def registry():
-    """ENVIRONMENTS as it is, restored after the test."""
-    saved = dict(ENVIRONMENTS)
+    """ENVIRONMENTS as it is, restored after the test (names the test registered are removed)."""
+    saved = ENVIRONMENTS.names()
     yield ENVIRONMENTS
-    ENVIRONMENTS.clear()
-    ENVIRONMENTS.update(saved)
+    for name in ENVIRONMENTS:
+        if name not in saved:
+            ENVIRONMENTS.unregister(name)
+    assert ENVIRONMENTS.names() == saved
 
 
 # -- the registry ---------------------------------------------------------------------------
@@ -97,9 +100,9 @@ def test_the_built_in_environments_are_registered():
 def test_a_duplicate_name_fails(registry):
     register_env(say_spec())
     assert env_spec("say").answer_tools == ("say",)
-    with pytest.raises(ValueError, match="'say' is registered twice"):
+    with pytest.raises(ValueError, match="duplicate environment name 'say'"):
         register_env(say_spec())
-    with pytest.raises(ValueError, match="'guess' is registered twice"):
+    with pytest.raises(ValueError, match="duplicate environment name 'guess'"):
         register_env(say_spec(name="guess"))
     assert ENVIRONMENTS["guess"].title == "the guessing game"  # the built-in is untouched
 
@@ -135,18 +138,18 @@ def test_the_trainer_rejects_an_unknown_name_before_loading_any_model(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_a_registered_spec_validates_the_config_at_load(registry):
+def test_a_registered_spec_validates_the_config_where_it_is_resolved(registry):
     def at_most_two_turns(env: Any) -> None:
         if env.max_turns > 2:
             raise ConfigError("max_turns", f"say takes at most 2 turns, got {env.max_turns}")
 
     register_env(say_spec(validate=at_most_two_turns, verifiers=("strong", "lenient"), teacher=None))
-    assert load_config(overrides=["env.name=say", "env.verifier=lenient", "warm_start.demos=0"]).env.name == "say"
+    assert check(load_config(overrides=["env.name=say", "env.verifier=lenient", "warm_start.demos=0"])).name == "say"
     for override, field, message in (("env.max_turns=3", "env.max_turns", "at most 2 turns"),
                                      ("env.verifier=brittle", "env.verifier", "has no verifier 'brittle'"),
                                      ("warm_start.demos=4", "warm_start.demos", "no scripted teacher")):
         with pytest.raises(ConfigError) as info:
-            load_config(overrides=["env.name=say", "warm_start.demos=0", override])
+            check(load_config(overrides=["env.name=say", "warm_start.demos=0", override]))
         assert info.value.field == field and message in str(info.value)
 
 
@@ -221,16 +224,13 @@ def test_split_tasks_names_the_source_when_a_side_is_empty():
 
 # -- a user's spec through the Trainer, no name registered ------------------------------------
 
-def test_a_user_env_spec_trains_through_the_trainer(tmp_path):
-    from keelrl.policy.tiny import TinyModelSpec, save_tiny_default
+def test_a_user_env_spec_trains_through_the_trainer(tiny_model_dir, tmp_path):
     from keelrl.train.trainer import Trainer
 
     check_env(SayEnv(), WORDS[0], good_actions=["<call>say ab</call>"])
     assert "say" not in ENVIRONMENTS
-    model_dir = save_tiny_default(tmp_path / "model", TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2,
-                                                                    intermediate=128, max_positions=2048))
-    cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path / 'run'}", f"model.path={model_dir}", "env.name=say",
-                                 "env.max_turns=1", "warm_start.demos=8", "warm_start.epochs=1",
+    cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}",
+                                 "env.name=say", "env.max_turns=1", "warm_start.demos=8", "warm_start.epochs=1",
                                  "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=12",
                                  "train.steps=2", "train.eval_tasks=2", "train.eval_every=2", "rollout.engine=sync"])
     trainer = Trainer(cfg, env=say_spec())
@@ -244,3 +244,14 @@ def test_a_user_env_spec_trains_through_the_trainer(tmp_path):
     assert all(0.0 <= row["train/reward"] <= 1.0 for row in rows[1:])
     transcript = (tmp_path / "run" / "samples" / "step_0001.txt").read_text()
     assert "Say " in transcript  # the rollouts ran in SayEnv
+
+
+def test_a_field_of_another_environment_kind_is_an_error():
+    for overrides, field, other in ((["env.guess_n=8"], "env.guess_n", "the guessing game"),
+                                    (["env.name=guess", "env.dataset=chain_sum"], "env.dataset", "reasoning_gym"),
+                                    (["env.name=guess", "env.tasks=mine.jsonl"], "env.tasks", "the coding environment")):
+        with pytest.raises(ConfigError) as info:
+            check(load_config(overrides=overrides))
+        assert info.value.field == field and other in str(info.value), overrides
+    # Its own fields, and the fields every kind reads, are fine; so is another kind's field at its default.
+    assert check(load_config(overrides=["env.name=guess", "env.guess_n=8", "env.max_turns=3", "env.guess_tasks=2000"]))

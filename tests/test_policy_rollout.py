@@ -12,19 +12,16 @@ from keelrl.envs.teacher import ScriptedTeacher
 from keelrl.policy.model import ValueHead, load_policy, token_logprobs
 from keelrl.policy.chat import ChatFormat, ChatTemplateError
 from keelrl.policy.sampling import SamplingConfig, end_token_ids, sample
-from keelrl.policy.tiny import TinyModelSpec, build_tiny_tokenizer, save_tiny_default
+from keelrl.policy.tiny import build_tiny_tokenizer
 from keelrl.rollout.agent_loop import RolloutConfig, model_actor, run_episodes, scripted_actor
 from keelrl.rollout.scheduler import observation_tokens, prompt_tokens
 from keelrl.rollout.trajectory import Trajectory, collate
 from task_fixtures import retry_task
 
-SMALL = TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, max_positions=2048)
-
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = save_tiny_default(tmp_path_factory.mktemp("tiny"), SMALL)
-    return load_policy(str(path), "cpu")
+def tiny(tiny_model_dir):
+    return load_policy(str(tiny_model_dir), "cpu")
 
 
 def test_tokenizer_round_trips_any_text_and_has_the_chat_template(tmp_path):
@@ -119,10 +116,9 @@ def test_rows_with_one_context_share_its_prefill_and_sample_as_without(tiny, mon
 
 
 @pytest.fixture(scope="module")
-def tiny_pad_is_eos(tmp_path_factory):
+def tiny_pad_is_eos(tiny_model_dir):
     """The tiny model with its tokenizer's pad token set to its end-of-turn token, as SmolLM2's is."""
-    path = save_tiny_default(tmp_path_factory.mktemp("tiny-pad-eos"), SMALL)
-    model, tokenizer = load_policy(str(path), "cpu")
+    model, tokenizer = load_policy(str(tiny_model_dir), "cpu")
     tokenizer.pad_token = "<|end|>"
     return model, tokenizer
 

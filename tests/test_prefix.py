@@ -17,27 +17,23 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import float64_model
 
 from keelrl.algos.config import AlgoConfig
 from keelrl.config import DistillConfig
 from keelrl.config import TINY_RUN, load_config
 from keelrl.policy import prefix as prefix_module
-from keelrl.policy.model import chunked_token_logprobs
+from keelrl.policy.prefix import chunked_token_logprobs
 from keelrl.policy.prefix import (PrefixUnit, can_share, find_prefix_units, localize, plan_micro_batches,
                                   plan_passes, prefix_token_logprobs)
-from keelrl.policy.tiny import TinyModelSpec, build_tiny_model, save_tiny_default
 from keelrl.rollout.trajectory import Batch
-from keelrl.train.trainer import Trainer, enable_gradient_checkpointing
+from keelrl.train.learner import Learner, UpdateInputs, enable_gradient_checkpointing
+from keelrl.train.trainer import Trainer
 
 VOCAB = 40
 # (prompt length, [continuation lengths]) per group: prompts of different lengths, rows of one
 # group of different lengths, a group of one.
 GROUPS = [(7, [3, 5, 1]), (12, [4, 4]), (3, [6]), (9, [2, 7, 3, 3])]
-
-
-def small_model():
-    spec = TinyModelSpec(layers=2, hidden=32, heads=4, kv_heads=2, intermediate=48, max_positions=64, seed=0)
-    return build_tiny_model(spec, VOCAB, pad_token_id=0, eos_token_id=1).double()
 
 
 def grouped_batch(groups=GROUPS, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -96,7 +92,7 @@ def test_units_share_the_checked_common_prefix_before_the_first_scored_token():
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_shared_prefix_pass_equals_the_plain_pass(temperature):
-    model = small_model().train()
+    model = float64_model(VOCAB).train()
     ids, attention, positions, keys = grouped_batch()
     units = find_prefix_units(ids, attention, keys, positions)
     assert can_share(model, units)
@@ -125,7 +121,7 @@ def test_shared_prefix_pass_equals_the_plain_pass(temperature):
 
 
 def test_bad_units_are_refused():
-    model = small_model()
+    model = float64_model(VOCAB)
     ids, attention, positions, keys = grouped_batch()
     units = find_prefix_units(ids, attention, keys, positions)
     with pytest.raises(ValueError, match="each row exactly once"):
@@ -171,7 +167,7 @@ def test_plans_keep_the_budget_and_cover_every_row_once():
 
 
 def test_chunked_passes_by_shared_prefix_equal_plain_ones():
-    model = small_model().eval()
+    model = float64_model(VOCAB).eval()
     ids, attention, positions, keys = grouped_batch()
     for budget in (1, 30, 1000):
         plain = chunked_token_logprobs(model, ids, attention, max_tokens=budget, positions=positions, temperature=0.7)
@@ -181,8 +177,8 @@ def test_chunked_passes_by_shared_prefix_equal_plain_ones():
 
 
 def test_accumulated_update_by_shared_prefix_equals_the_plain_one():
-    """Trainer.accumulate_gradients, micro-batched by shared prompt, against micro-batched plainly."""
-    model = small_model()
+    """Learner.accumulate_gradients, micro-batched by shared prompt, against micro-batched plainly."""
+    model = float64_model(VOCAB)
     ids, attention, positions, keys = grouped_batch()
     generator = torch.Generator().manual_seed(5)
     behaviour = (torch.randn(ids.shape, generator=generator, dtype=torch.float64) * 0.3 - 3.5) * positions
@@ -200,10 +196,11 @@ def test_accumulated_update_by_shared_prefix_equals_the_plain_one():
                                                       train=SimpleNamespace(micro_batch_tokens=40, share_prefix=share,
                                                                             gradient_checkpointing=False)),
                                   model=model.train(), value_head=None, autocast=contextlib.nullcontext,
-                                  teacher=None)
+                                  loss_teacher=None)
         model.zero_grad(set_to_none=True)
-        metrics, passes = Trainer.accumulate_gradients(learner, batch, rows, advantages,  # type: ignore[arg-type]
-                                                       torch.zeros_like(advantages), None, ref_all, behaviour)
+        result = Learner.accumulate_gradients(learner, UpdateInputs(  # type: ignore[arg-type]
+            batch, advantages, torch.zeros_like(advantages), None, ref_all, behaviour), rows)
+        metrics, passes = result.metrics, result.passes
         results[share] = (metrics, passes, [p.grad.clone() for p in model.parameters()])
     (plain_metrics, plain_passes, plain_grads), (metrics, passes, grads) = results[False], results[True]
     assert passes < plain_passes  # each prompt counted once: fewer micro-batches in the same budget
@@ -213,11 +210,9 @@ def test_accumulated_update_by_shared_prefix_equals_the_plain_one():
         torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-9)
 
 
-def test_the_trainer_runs_its_passes_by_shared_prompt_and_updates_as_without(tmp_path, monkeypatch):
+def test_the_trainer_runs_its_passes_by_shared_prompt_and_updates_as_without(tiny_model_dir, tmp_path, monkeypatch):
     """One RL step of a real (tiny) run with train.share_prefix on and off: the same rollouts,
     the same update up to float32 rounding; the shared run really took the shared path."""
-    model_dir = save_tiny_default(tmp_path / "model", TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2,
-                                                                    intermediate=128, max_positions=2048))
     calls = {"n": 0}
     original = prefix_module.prefix_token_logprobs
 
@@ -229,10 +224,11 @@ def test_the_trainer_runs_its_passes_by_shared_prompt_and_updates_as_without(tmp
     params, rows = {}, {}
     for share in (False, True):
         run_dir = tmp_path / f"share-{share}"
-        cfg = load_config(overrides=[*TINY_RUN, f"run_dir={run_dir}", f"model.path={model_dir}", "rollout.engine=sync",
-                                     "train.steps=1", "train.eval_every=1", "train.eval_tasks=2", "warm_start.demos=4",
-                                     "rollout.tasks_per_step=2", "rollout.group_size=3", "rollout.max_new_tokens=16",
-                                     "env.max_turns=2", "algo.preset=grpo", f"train.share_prefix={str(share).lower()}"])
+        cfg = load_config(overrides=[*TINY_RUN, f"run_dir={run_dir}", f"model.path={tiny_model_dir}",
+                                     "rollout.engine=sync", "train.steps=1", "train.eval_every=1", "train.eval_tasks=2",
+                                     "warm_start.demos=4", "rollout.tasks_per_step=2", "rollout.group_size=3",
+                                     "rollout.max_new_tokens=16", "env.max_turns=2", "algo.preset=grpo",
+                                     f"train.share_prefix={str(share).lower()}"])
         before = calls["n"]
         trainer = Trainer(cfg)
         trainer.run()

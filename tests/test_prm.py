@@ -12,26 +12,20 @@ import json
 
 import pytest
 import torch
+from conftest import float64_model
 
 from keelrl.config import TINY_RUN, load_config
 from keelrl.envs.coding import CodingEnv
 from keelrl.errors import ConfigError
-from keelrl.policy.model import chunked_token_logprobs, load_policy
-from keelrl.policy.tiny import TinyModelSpec, build_tiny_model, save_tiny_default
+from keelrl.policy.model import load_policy
+from keelrl.policy.prefix import chunked_token_logprobs
 from keelrl.rollout.agent_loop import RolloutConfig, run_episodes, scripted_actor
 from keelrl.rollout.scheduler import step_labels
 from keelrl.rollout.trajectory import Batch, collate
 from keelrl.sandbox import Sandbox
 from keelrl.train.prm import ProcessRewardModel, classification_metrics, labelled_turns, process_advantages
-from keelrl.verifiers import DEFAULT_LIMITS, make_verifier
+from keelrl.envs.verifiers import DEFAULT_LIMITS, make_verifier
 from task_fixtures import BUGGY, CONSTANT_ZERO, FIXED, WRONG, retry_task
-
-SPEC = TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, max_positions=2048)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_default(tmp_path_factory.mktemp("prm-model"), SPEC)
 
 
 def replace_all(text: str) -> str:
@@ -46,8 +40,8 @@ def test_labels_come_from_pass_count_deltas():
         step_labels([1, 2, 3], [True, True, True])
 
 
-def test_rollouts_label_each_code_changing_turn_by_its_hidden_check_delta(model_dir):
-    _, tokenizer = load_policy(str(model_dir), "cpu")
+def test_rollouts_label_each_code_changing_turn_by_its_hidden_check_delta(tiny_model_dir):
+    _, tokenizer = load_policy(str(tiny_model_dir), "cpu")
     task = retry_task()
     verifier = make_verifier("strong", Sandbox(DEFAULT_LIMITS))
 
@@ -92,8 +86,7 @@ def test_rollouts_label_each_code_changing_turn_by_its_hidden_check_delta(model_
 
 
 def test_hidden_states_at_positions_equal_the_plain_pass_with_and_without_a_shared_prompt():
-    spec = TinyModelSpec(layers=2, hidden=32, heads=4, kv_heads=2, intermediate=48, max_positions=64, seed=0)
-    model = build_tiny_model(spec, 40, pad_token_id=0, eos_token_id=1).double().eval()
+    model = float64_model(40).eval()
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(2, 40, (6,), generator=generator)
     lengths = [5, 8, 3, 7]
@@ -179,10 +172,10 @@ def test_bad_prm_settings_are_named():
         load_config(overrides=["prm.lr=-1"])
 
 
-def test_a_run_trains_the_scorer_uses_it_and_resumes_it(model_dir, tmp_path):
+def test_a_run_trains_the_scorer_uses_it_and_resumes_it(tiny_model_dir, tmp_path):
     from keelrl.train.trainer import Trainer
 
-    base = [*TINY_RUN, f"model.path={model_dir}", "rollout.engine=sync", "train.eval_every=2", "train.eval_tasks=3",
+    base = [*TINY_RUN, f"model.path={tiny_model_dir}", "rollout.engine=sync", "train.eval_every=2", "train.eval_tasks=3",
             "warm_start.demos=4", "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=16",
             "env.max_turns=2", "train.steps=2", "train.checkpoint_every=1", "prm.enabled=true", "prm.weight=0.5"]
     run = tmp_path / "full"
@@ -210,9 +203,9 @@ def test_a_run_trains_the_scorer_uses_it_and_resumes_it(model_dir, tmp_path):
                                       hidden_at=where)["hidden_at"]
     scores = trainer.prm.scores(features)
     trainer.prm.fit_steps = 0  # hold the scorer still between the two calls: nothing to refit
-    with_term, *_ = trainer._advantages(batch)
+    with_term = trainer.advantages(batch).inputs.advantages
     trainer.cfg.prm.weight = 0.0
-    without, *_ = trainer._advantages(batch)
+    without = trainer.advantages(batch).inputs.advantages
     torch.testing.assert_close(with_term - without, process_advantages(scores, where, batch, 0.5).to(with_term.dtype),
                                rtol=1e-4, atol=1e-5)
     # Killed after step 1 and resumed: the scorer, its optimizer and its buffer come back.

@@ -15,12 +15,10 @@ from keelrl.config import TINY_RUN, load_config
 from keelrl.envs.coding_tasks import bundled_tasks
 from keelrl.policy.model import load_policy
 from keelrl.policy.sampling import SamplingConfig
-from keelrl.policy.tiny import TinyModelSpec, save_tiny_default
 from keelrl.rollout.ray_engine import RayEngine, init_local_ray
 from keelrl.rollout.scheduler import GroupRequest, GroupResult, RolloutConfig, SchedulerStats
-from keelrl.train.trainer import CodingEnvFactory, Trainer
-
-SMALL = TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, max_positions=2048)
+from keelrl.envs.coding import CodingEnvFactory
+from keelrl.train.trainer import Trainer
 
 
 @pytest.fixture(scope="module")
@@ -32,14 +30,9 @@ def cluster(tmp_path_factory):
     ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_default(tmp_path_factory.mktemp("model"), SMALL)
-
-
-def test_ray_engine_trains_the_tiny_model(cluster, model_dir, tmp_path):
+def test_ray_engine_trains_the_tiny_model(cluster, tiny_model_dir, tmp_path):
     cfg = load_config(overrides=[*TINY_RUN, 
-        f"run_dir={tmp_path}", f"model.path={model_dir}", "rollout.engine=ray", "rollout.workers=2",
+        f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", "rollout.engine=ray", "rollout.workers=2",
         "rollout.max_staleness=1", "train.steps=3", "train.eval_tasks=2", "train.eval_every=10",
         "warm_start.demos=4", "warm_start.epochs=1", "rollout.tasks_per_step=2", "rollout.group_size=2",
         "rollout.max_new_tokens=16", "env.max_turns=2", "train.minibatch_size=2", "train.sample_trajectories=0"])
@@ -55,16 +48,16 @@ def test_ray_engine_trains_the_tiny_model(cluster, model_dir, tmp_path):
     assert ray.is_initialized()  # the engine joined the test's cluster and left it running
 
 
-def test_a_killed_worker_is_replaced_and_its_episodes_requeued(cluster, model_dir):
+def test_a_killed_worker_is_replaced_and_its_episodes_requeued(cluster, tiny_model_dir):
     tasks = bundled_tasks(None)[:40]
 
     def requests_for(step):
         return [GroupRequest(index=(step - 1) * 4 + i, task=tasks[((step - 1) * 4 + i) % len(tasks)], group_size=2,
                              seed=step * 100 + i) for i in range(4)]
 
-    model, tokenizer = load_policy(str(model_dir), "cpu")
+    model, tokenizer = load_policy(str(tiny_model_dir), "cpu")
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    engine = RayEngine(requests_for, model_path=str(model_dir), tokenizer=tokenizer,
+    engine = RayEngine(requests_for, model_path=str(tiny_model_dir), tokenizer=tokenizer,
                        make_env=CodingEnvFactory("strong", max_turns=2), sampling=SamplingConfig(max_new_tokens=12),
                        rollout=RolloutConfig(max_turns=2, env_threads=2), max_staleness=1, workers=2)
     try:
@@ -94,10 +87,10 @@ def test_a_killed_worker_is_replaced_and_its_episodes_requeued(cluster, model_di
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="pinning to separate cores needs two cores")
-def test_workers_are_pinned_to_their_cores_with_one_torch_thread(cluster, model_dir):
+def test_workers_are_pinned_to_their_cores_with_one_torch_thread(cluster, tiny_model_dir):
     """rollout.worker_cores: worker i runs every thread on core worker_cores[i % n], one torch thread."""
-    model, tokenizer = load_policy(str(model_dir), "cpu")
-    engine = RayEngine(lambda step: [], model_path=str(model_dir), tokenizer=tokenizer,
+    model, tokenizer = load_policy(str(tiny_model_dir), "cpu")
+    engine = RayEngine(lambda step: [], model_path=str(tiny_model_dir), tokenizer=tokenizer,
                        make_env=CodingEnvFactory("strong", max_turns=1), sampling=SamplingConfig(max_new_tokens=4),
                        rollout=RolloutConfig(max_turns=1, env_threads=1), workers=2, worker_cores=(1,),
                        worker_cpus=0.5)
@@ -204,24 +197,24 @@ def _fake_engine(model_dir, modes, **options):
     return fake, engine, requests
 
 
-def test_a_slow_worker_is_waited_for_not_replaced(model_dir):
-    fake, engine, requests = _fake_engine(model_dir, ["slow", "ok"], worker_timeout_s=600.0)
+def test_a_slow_worker_is_waited_for_not_replaced(tiny_model_dir):
+    fake, engine, requests = _fake_engine(tiny_model_dir, ["slow", "ok"], worker_timeout_s=600.0)
     results = engine.more(1, requests)
     assert [r.request.index for r in results] == [0, 1, 2, 3]
     assert engine.workers_replaced == 0 and fake.killed == []
     assert fake.now >= 300.0  # it really waited out the slow worker's 300 fake seconds
 
 
-def test_a_dead_worker_is_replaced_at_once_and_its_requests_rerun(model_dir):
-    fake, engine, requests = _fake_engine(model_dir, ["dead", "ok"], worker_timeout_s=600.0)
+def test_a_dead_worker_is_replaced_at_once_and_its_requests_rerun(tiny_model_dir):
+    fake, engine, requests = _fake_engine(tiny_model_dir, ["dead", "ok"], worker_timeout_s=600.0)
     results = engine.more(1, requests)
     assert [r.request.index for r in results] == [0, 1, 2, 3]
     assert engine.workers_replaced == 1 and engine.workers_hung == 0 and engine.requests_requeued == 2
     assert len(fake.spawned) == 3 and fake.now < 10.0
 
 
-def test_a_silent_worker_is_replaced_after_the_timeout(model_dir):
-    fake, engine, requests = _fake_engine(model_dir, ["hung", "ok"], worker_timeout_s=50.0)
+def test_a_silent_worker_is_replaced_after_the_timeout(tiny_model_dir):
+    fake, engine, requests = _fake_engine(tiny_model_dir, ["hung", "ok"], worker_timeout_s=50.0)
     results = engine.more(1, requests)
     assert [r.request.index for r in results] == [0, 1, 2, 3]
     assert engine.workers_hung == 1 and engine.workers_replaced == 1 and engine.requests_requeued == 2
@@ -229,7 +222,7 @@ def test_a_silent_worker_is_replaced_after_the_timeout(model_dir):
     assert 50.0 < fake.now < 60.0  # replaced once silent for worker_timeout_s, not before
 
 
-def test_one_poll_in_flight_per_worker(model_dir):
-    fake, engine, requests = _fake_engine(model_dir, ["slow", "slow"], worker_timeout_s=600.0)
+def test_one_poll_in_flight_per_worker(tiny_model_dir):
+    fake, engine, requests = _fake_engine(tiny_model_dir, ["slow", "slow"], worker_timeout_s=600.0)
     engine.more(1, requests)
     assert fake.polls_sent == 2  # each slow worker was asked once and waited for, not asked again and again

@@ -18,6 +18,7 @@ pytest.importorskip("reasoning_gym")
 
 import reasoning_gym  # noqa: E402
 
+from keelrl.components import check
 from keelrl.config import TINY_RUN, load_config  # noqa: E402
 from keelrl.envs.base import VerifierError, check_env, run_episode  # noqa: E402
 from keelrl.envs.reasoning_gym import (ReasoningGymEnv, ReasoningGymEnvFactory, ReferenceAnswerTeacher,  # noqa: E402
@@ -198,14 +199,14 @@ def test_the_factory_pickles_without_its_dataset(tasks):
 
 def test_config_names_the_dataset_and_lists_valid_names():
     with pytest.raises(ConfigError) as info:
-        load_config(overrides=["env.name=reasoning_gym", "env.dataset=basic_arithmatic"])
+        check(load_config(overrides=["env.name=reasoning_gym", "env.dataset=basic_arithmatic"]))
     assert info.value.field == "env.dataset"
     assert "unknown reasoning-gym dataset 'basic_arithmatic'" in str(info.value)
     assert "did you mean basic_arithmetic" in str(info.value) and "leg_counting" in str(info.value)
     with pytest.raises(ConfigError, match="env.dataset: env.name=reasoning_gym needs env.dataset=NAME"):
-        load_config(overrides=["env.name=reasoning_gym"])
+        check(load_config(overrides=["env.name=reasoning_gym"]))
     with pytest.raises(ConfigError, match="env.verifier: .* has no verifier 'weak'; valid names: strong"):
-        load_config(overrides=[*RG, "env.verifier=weak"])
+        check(load_config(overrides=[*RG, "env.verifier=weak"]))
     with pytest.raises(ConfigError, match="env.rg_size"):
         load_config(overrides=[*RG, "env.rg_size=0"])
 
@@ -213,9 +214,9 @@ def test_config_names_the_dataset_and_lists_valid_names():
 def test_without_reasoning_gym_installed_the_error_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # `import reasoning_gym` now raises ImportError
     with pytest.raises(ConfigError) as info:
-        load_config(overrides=RG)
+        check(load_config(overrides=RG))
     assert info.value.field == "env.name" and "pip install 'keelrl[reasoning-gym]'" in str(info.value)
-    assert load_config(overrides=["env.name=guess"]).env.name == "guess"  # other environments do not need it
+    assert check(load_config(overrides=["env.name=guess"])).name == "guess"  # other environments do not need it
 
 
 def test_keelrl_does_not_import_reasoning_gym_until_asked():
@@ -228,8 +229,7 @@ def test_keelrl_does_not_import_reasoning_gym_until_asked():
     assert result.stdout.strip() == "False"
 
 
-def test_the_tiny_model_trains_on_a_dataset_end_to_end(tmp_path):
-    from keelrl.policy.tiny import TinyModelSpec, save_tiny_default
+def test_the_tiny_model_trains_on_a_dataset_end_to_end(tiny_model_dir, tmp_path):
     from keelrl.train.trainer import Trainer
 
     class Recording(Trainer):
@@ -239,9 +239,7 @@ def test_the_tiny_model_trains_on_a_dataset_end_to_end(tmp_path):
             self.seen.append(list(rollouts.trajectories))
             return super().rl_step(step, rollouts, started)
 
-    model_dir = save_tiny_default(tmp_path / "model", TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2,
-                                                                    intermediate=128, max_positions=2048))
-    cfg = load_config(overrides=[*TINY_RUN, *RG, f"run_dir={tmp_path / 'run'}", f"model.path={model_dir}",
+    cfg = load_config(overrides=[*TINY_RUN, *RG, f"run_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}",
                                  "env.max_turns=2", "warm_start.demos=8", "warm_start.epochs=1",
                                  "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=32",
                                  "train.steps=2", "train.eval_tasks=4", "train.eval_every=2", "rollout.engine=sync"])

@@ -8,17 +8,11 @@ import yaml
 
 import keelrl.algos as algos
 from keelrl.algos import ALL, PRESETS, AlgoConfig, UnknownNameError
-from keelrl.algos.presets import BASE_SETTINGS, Preset, _build, choices_for, comparison_table
-from keelrl.algos.registry import Registry
-from keelrl.config import (
-    KeelConfig,
-    apply_overrides,
-    dump_config,
-    explain,
-    field_docs,
-    from_dict,
-    load_config,
-)
+from keelrl.algos.catalogue import choices_for, comparison_table
+from keelrl.algos.presets import BASE_SETTINGS, Preset, _build
+from keelrl.registry import Registry
+from keelrl.components import explain
+from keelrl.config import KeelConfig, apply_overrides, dump_config, field_docs, from_dict, load_config
 from keelrl.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]

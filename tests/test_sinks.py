@@ -11,10 +11,13 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import FAST_RUN
 
+from keelrl.components import check
 from keelrl.config import TINY_RUN, LogConfig, load_config
 from keelrl.errors import ConfigError
-from keelrl.monitor import MetricsLogger, read_metrics
+from keelrl.monitor import MetricsLogger
+from keelrl.runs import read_metrics
 from keelrl.sinks import SINKS, check_sinks, flat_params, mlflow_metric_name, wandb_init_mode
 
 CONFIG = {"algo": {"preset": "grpo", "eps_high": 0.28}, "train": {"lr": 1e-5, "learner_cores": [0, 1]},
@@ -30,7 +33,7 @@ ROWS = [  # step -> metrics as the trainer hands them over: NaN, a flag, a strin
 # ------------------------------------------------------------------ config and build-time errors
 def test_unknown_sink_or_no_jsonl_fails_at_config_time_naming_the_field():
     with pytest.raises(ConfigError) as info:
-        load_config(overrides=["log.sinks=[jsonl,neptune]"])
+        check(load_config(overrides=["log.sinks=[jsonl,neptune]"]))
     assert info.value.field == "log.sinks" and "neptune" in str(info.value)
     assert f"valid names: {', '.join(SINKS)}" in str(info.value) and list(SINKS)[:2] == ["jsonl", "tensorboard"]
     with pytest.raises(ConfigError, match="jsonl is required") as info:
@@ -264,19 +267,15 @@ def test_mlflow_added_at_a_resume_gets_the_earlier_steps_from_metrics_jsonl_and_
 
 
 # ------------------------------------------------------------------ the trainer
-def test_a_tiny_training_run_logs_to_mlflow_what_metrics_jsonl_holds(tmp_path, mlflow_file_store, monkeypatch,
-                                                                     capsys):
-    from keelrl.policy.tiny import TinyModelSpec, save_tiny_default
+def test_a_tiny_training_run_logs_to_mlflow_what_metrics_jsonl_holds(tiny_model_dir, tmp_path, mlflow_file_store,
+                                                                     monkeypatch, capsys):
     from keelrl.train.trainer import Trainer
 
-    model_dir = save_tiny_default(tmp_path / "model", TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2,
-                                                                    intermediate=128, max_positions=2048))
     run_dir = tmp_path / "run"
     cfg = load_config(overrides=[
-        *TINY_RUN, f"run_dir={run_dir}", f"model.path={model_dir}", "train.steps=2", "train.eval_every=2",
-        "train.eval_tasks=3", "warm_start.demos=4", "warm_start.epochs=1", "warm_start.batch_size=4",
-        "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=16", "env.max_turns=2",
-        "train.minibatch_size=2", "train.sample_trajectories=1", "log.sinks=[jsonl,tensorboard,mlflow]"])
+        *TINY_RUN, *FAST_RUN, f"run_dir={run_dir}", f"model.path={tiny_model_dir}", "train.steps=2",
+        "train.eval_every=2", "train.eval_tasks=3", "train.minibatch_size=2", "train.sample_trajectories=1",
+        "log.sinks=[jsonl,tensorboard,mlflow]"])
     summary = Trainer(cfg).run()
     rows = read_metrics(run_dir)
     assert [row["step"] for row in rows] == [0, 1, 2]

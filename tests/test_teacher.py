@@ -10,28 +10,26 @@ from __future__ import annotations
 
 import contextlib
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import FAST_RUN, SMALL, float64_model
 from torch.distributions import Categorical, kl_divergence
 
 from keelrl.algos.config import AlgoConfig
 from keelrl.config import TINY_RUN, DistillConfig, load_config
 from keelrl.errors import ConfigError
 from keelrl.policy.model import token_logprobs
-from keelrl.policy.tiny import TinyModelSpec, build_tiny_model, build_tiny_tokenizer, save_tiny_default
+from keelrl.policy.tiny import build_tiny_tokenizer, save_tiny_default
 from keelrl.rollout.trajectory import Batch, collate
 from keelrl.train.distill import Teacher, VocabularyMismatchError, check_same_vocabulary, privileged_hint
+from keelrl.train.learner import Learner, UpdateInputs
 from keelrl.train.trainer import Trainer
 
 VOCAB = 40
 LENGTHS = [12, 9, 12, 7]
-
-
-def small_model(seed: int):
-    spec = TinyModelSpec(layers=2, hidden=32, heads=4, kv_heads=2, intermediate=48, max_positions=64, seed=seed)
-    return build_tiny_model(spec, VOCAB, pad_token_id=0, eos_token_id=1).double()
 
 
 def make_batch() -> Batch:
@@ -66,13 +64,13 @@ def learner(model, batch: Batch, distill: DistillConfig, teacher_model=None, bud
         cfg=SimpleNamespace(algo=algo, distill=distill, rollout=SimpleNamespace(temperature=1.0),
                             train=SimpleNamespace(micro_batch_tokens=budget, share_prefix=False,
                                                   gradient_checkpointing=False)),
-        model=model.train(), value_head=None, autocast=contextlib.nullcontext, teacher=None, _teacher_view=None)
+        model=model.train(), value_head=None, autocast=contextlib.nullcontext, loss_teacher=None, view=None)
     if teacher_model is not None:
         tokenizer = build_tiny_tokenizer()
-        namespace.teacher = Teacher(distill, model, tokenizer, student_name="student", device=torch.device("cpu"),
-                                    model=teacher_model, model_tokenizer=tokenizer)
-        namespace._teacher_view = namespace.teacher.view(batch, [], 0)
-    namespace._distill_loss = lambda *args: Trainer._distill_loss(namespace, *args)
+        namespace.loss_teacher = Teacher(distill, model, tokenizer, student_name="student", device=torch.device("cpu"),
+                                         model=teacher_model, model_tokenizer=tokenizer)
+        namespace.view = namespace.loss_teacher.view(batch, [], 0)
+    namespace.distill_loss = lambda *args: Learner.distill_loss(namespace, *args)
     return namespace, algo
 
 
@@ -80,8 +78,9 @@ def run_update(namespace, batch: Batch, advantages: torch.Tensor):
     model = namespace.model
     model.zero_grad(set_to_none=True)
     rows = torch.arange(batch.input_ids.shape[0])
-    metrics, _ = Trainer.accumulate_gradients(namespace, batch, rows, advantages, torch.zeros_like(advantages),
-                                              None, None, batch.behaviour_logprobs)
+    inputs = UpdateInputs(batch, advantages, torch.zeros_like(advantages), None, None, batch.behaviour_logprobs,
+                          teacher_view=namespace.view)
+    metrics = Learner.accumulate_gradients(namespace, inputs, rows).metrics
     grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
     return metrics, grads
 
@@ -89,7 +88,7 @@ def run_update(namespace, batch: Batch, advantages: torch.Tensor):
 @pytest.mark.parametrize("divergence,beta,top_k", [("reverse_kl", 0.5, 0), ("forward_kl", 0.5, 0),
                                                    ("forward_kl", 0.5, 5), ("jsd", 0.3, 0)])
 def test_distillation_loss_and_its_gradient_match_a_float64_reference(divergence, beta, top_k):
-    student, teacher = small_model(0), small_model(1)
+    student, teacher = float64_model(VOCAB, seed=0), float64_model(VOCAB, seed=1)
     batch = make_batch()
     coef = 0.7
     distill = DistillConfig(mode="on_policy", teacher="in memory", form="loss", divergence=divergence, beta=beta,
@@ -128,7 +127,7 @@ def test_distillation_loss_and_its_gradient_match_a_float64_reference(divergence
 
 
 def test_observation_tokens_get_loss_only_from_the_observation_loss():
-    model = small_model(0)
+    model = float64_model(VOCAB, seed=0)
     batch = make_batch()
     everywhere = torch.randn(batch.input_ids.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     # Off: advantages at observation (and prompt) positions change nothing; the update is the action tokens' alone.
@@ -172,23 +171,17 @@ def test_distill_settings_are_checked_before_any_work():
         load_config(overrides=["distill.mode=self", "env.name=guess"])
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_default(tmp_path_factory.mktemp("model"), TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2,
-                                                                             intermediate=128, max_positions=2048))
+FAST = [*TINY_RUN, *FAST_RUN,
+        "warm_start.epochs=6", "warm_start.batch_size=16",  # TINY_RUN's warm start, not FAST_RUN's single epoch
+        "rollout.engine=sync", "train.steps=1", "train.eval_every=1", "train.eval_tasks=2", "algo.preset=grpo"]
 
 
-FAST = [*TINY_RUN, "rollout.engine=sync", "train.steps=1", "train.eval_every=1", "train.eval_tasks=2",
-        "warm_start.demos=4", "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=16",
-        "env.max_turns=2", "algo.preset=grpo"]
-
-
-def test_on_policy_advantage_term_is_minus_coef_times_the_sampled_reverse_kl(model_dir, tmp_path):
+def test_on_policy_advantage_term_is_minus_coef_times_the_sampled_reverse_kl(tiny_model_dir, tmp_path):
     from keelrl.rollout.agent_loop import model_actor, run_episodes
     from keelrl.policy.sampling import SamplingConfig
 
-    cfg = load_config(overrides=[*FAST, f"run_dir={tmp_path}", f"model.path={model_dir}", "distill.mode=on_policy",
-                                 f"distill.teacher={model_dir}", "distill.coef=0.5"])
+    cfg = load_config(overrides=[*FAST, f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", "distill.mode=on_policy",
+                                 f"distill.teacher={tiny_model_dir}", "distill.coef=0.5"])
     trainer = Trainer(cfg)
     with torch.no_grad():  # a student that differs from its teacher
         for p in trainer.model.parameters():
@@ -197,10 +190,11 @@ def test_on_policy_advantage_term_is_minus_coef_times_the_sampled_reverse_kl(mod
                                 model_actor(trainer.model, trainer.tokenizer, SamplingConfig(1.0, 1.0, 16)),
                                 trainer._rollout_cfg(2), seed=5)
     batch = collate(trajectories, trainer.pad_id)
-    trainer._teacher_view = trainer.teacher.view(batch, trajectories, trainer.pad_id)
-    with_term, _, _, _, prox, stats = trainer._advantages(batch)
+    view = trainer.teacher.view(batch, trajectories, trainer.pad_id)
+    estimated = trainer.advantages(batch, view)
+    with_term, prox, stats = estimated.inputs.advantages, estimated.inputs.prox_logp, estimated.stats
     trainer.cfg.distill.coef = 0.0
-    without, *_ = trainer._advantages(batch)
+    without = trainer.advantages(batch, view).inputs.advantages
     teacher_logp = token_logprobs(trainer.teacher.model, batch.input_ids, batch.attention_mask)["logp"]
     mask = batch.action_mask
     sampled_kl = (prox - teacher_logp) * mask
@@ -209,12 +203,12 @@ def test_on_policy_advantage_term_is_minus_coef_times_the_sampled_reverse_kl(mod
     assert float(sampled_kl.abs().max()) > 1e-3  # the student really differs from the teacher
 
 
-def test_the_self_teacher_reads_the_reference_fix_and_scores_the_students_tokens(model_dir, tmp_path):
+def test_the_self_teacher_reads_the_reference_fix_and_scores_the_students_tokens(tiny_model_dir, tmp_path):
     from keelrl.rollout.agent_loop import model_actor, run_episodes
     from keelrl.policy.sampling import SamplingConfig
     from keelrl.rollout.scheduler import prompt_tokens
 
-    cfg = load_config(overrides=[*FAST, f"run_dir={tmp_path}", f"model.path={model_dir}", "distill.mode=self"])
+    cfg = load_config(overrides=[*FAST, f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", "distill.mode=self"])
     trainer = Trainer(cfg)
     tasks = trainer.train_tasks[:2]
     trajectories = run_episodes(trainer._env(training=True), tasks, trainer.tokenizer,
@@ -237,12 +231,12 @@ def test_the_self_teacher_reads_the_reference_fix_and_scores_the_students_tokens
             assert float(got[row, position]) == pytest.approx(want, abs=1e-5)
 
 
-def test_a_run_with_each_teacher_mode_trains_and_logs_its_metrics(model_dir, tmp_path):
+def test_a_run_with_each_teacher_mode_trains_and_logs_its_metrics(tiny_model_dir, tmp_path):
     runs = {"self-loss": ["distill.mode=self", "distill.form=loss", "distill.observation_coef=0.1"],
-            "teacher-advantage": ["distill.mode=on_policy", f"distill.teacher={model_dir}"]}
+            "teacher-advantage": ["distill.mode=on_policy", f"distill.teacher={tiny_model_dir}"]}
     for name, overrides in runs.items():
         run_dir = tmp_path / name
-        Trainer(load_config(overrides=[*FAST, f"run_dir={run_dir}", f"model.path={model_dir}", *overrides])).run()
+        Trainer(load_config(overrides=[*FAST, f"run_dir={run_dir}", f"model.path={tiny_model_dir}", *overrides])).run()
         row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[1])
         assert row["train/updates"] == 1 and row["distill/sampled_kl"] == row["distill/sampled_kl"]  # finite
         if name == "self-loss":
@@ -250,19 +244,18 @@ def test_a_run_with_each_teacher_mode_trains_and_logs_its_metrics(model_dir, tmp
             assert row["train/observation_tokens"] > 0 and row["train/observation_nll"] > 0
 
 
-def test_teacher_sampled_steps_distil_on_the_teachers_histories_without_an_rl_term(model_dir, tmp_path):
+def test_teacher_sampled_steps_distil_on_the_teachers_histories_without_an_rl_term(tiny_model_dir, tmp_path):
     """GKD's student share: with distill.student_share=0 every step's histories are the teacher's
     samples (its log-probs as behaviour), on the step's own tasks, and the update is the
     distillation loss alone (zero advantages, old log-probs the student's own)."""
     with pytest.raises(ConfigError, match="student_share"):
         load_config(overrides=["distill.mode=on_policy", "distill.teacher=x", "distill.student_share=0.5"])
-    teacher_dir = save_tiny_default(tmp_path / "teacher", TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2,
-                                                                        intermediate=128, max_positions=2048, seed=7))
-    cfg = load_config(overrides=[*FAST, f"run_dir={tmp_path / 'run'}", f"model.path={model_dir}",
+    teacher_dir = save_tiny_default(tmp_path / "teacher", replace(SMALL, seed=7))
+    cfg = load_config(overrides=[*FAST, f"run_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}",
                                  "distill.mode=on_policy", f"distill.teacher={teacher_dir}", "distill.form=loss",
                                  "distill.divergence=forward_kl", "distill.student_share=0", "train.steps=2"])
     trainer = Trainer(cfg)
-    assert trainer.teacher_samples(1) and trainer.teacher_samples(2)
+    assert trainer.requests.teacher_samples(1) and trainer.requests.teacher_samples(2)
     rollouts = trainer.teacher_rollouts(1)
     tasks = [request.task.id for request in trainer.requests_for(1) for _ in range(request.group_size)]
     assert [t.task_id for t in rollouts.trajectories] == tasks

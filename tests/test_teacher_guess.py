@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from keelrl.components import check
 from keelrl.config import TINY_RUN, load_config
 from keelrl.envs.base import CheckResult, run_episode
 from keelrl.errors import ConfigError
@@ -290,17 +291,14 @@ def test_binary_search_teacher_errs_at_its_rate_but_never_guesses_the_impossible
         BinarySearchTeacher(mistake_rate=1.5)
 
 
-def test_trainer_runs_on_the_guessing_game(tmp_path):
+def test_trainer_runs_on_the_guessing_game(tiny_model_dir, tmp_path):
     import json
 
     from keelrl.config import load_config
-    from keelrl.policy.tiny import TinyModelSpec, save_tiny_default
     from keelrl.train.trainer import Trainer
 
-    model_dir = save_tiny_default(tmp_path / "model", TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2,
-                                                                    intermediate=128, max_positions=2048))
-    cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path / 'run'}", f"model.path={model_dir}", "env.name=guess",
-                                 "env.max_turns=5", "warm_start.demos=16", "warm_start.epochs=1",
+    cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}",
+                                 "env.name=guess", "env.max_turns=5", "warm_start.demos=16", "warm_start.epochs=1",
                                  "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=12",
                                  "train.steps=2", "train.eval_tasks=4", "rollout.engine=sync"])
     trainer = Trainer(cfg)
@@ -346,7 +344,7 @@ def test_guess_verifier_names_are_checked():
     with pytest.raises(ValueError, match="unknown guess verifier 'brittle'"):
         GuessEnv(verifier="brittle")
     with pytest.raises(ConfigError, match="env.verifier.*guessing game has no verifier 'brittle'"):
-        load_config(overrides=["env.name=guess", "env.verifier=brittle"])
+        check(load_config(overrides=["env.name=guess", "env.verifier=brittle"]))
     assert load_config(overrides=["env.name=guess", "env.verifier=weak"]).env.verifier == "weak"
 
 

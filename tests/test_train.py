@@ -3,38 +3,30 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import FAST_RUN
 
+from keelrl.components import check
 from keelrl.config import TINY_RUN, load_config
-from keelrl.policy.tiny import TinyModelSpec, save_tiny_default
-from keelrl.train.checkpoint import latest_checkpoint
+from keelrl.runs import latest_checkpoint
 from keelrl.train.trainer import Trainer
 
-SMALL = TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, max_positions=2048)
-FAST = ["train.eval_tasks=3", "warm_start.demos=4", "warm_start.epochs=1", "warm_start.batch_size=4",
-        "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=16", "env.max_turns=2",
-        "train.eval_every=2", "train.minibatch_size=2", "train.sample_trajectories=1"]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return save_tiny_default(tmp_path_factory.mktemp("model"), SMALL)
+FAST = [*FAST_RUN, "train.eval_tasks=3", "train.eval_every=2", "train.minibatch_size=2", "train.sample_trajectories=1"]
 
 
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_keel_train_cli_smoke_writes_every_output(model_dir, tmp_path):
+def test_keel_train_cli_smoke_writes_every_output(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     exe = Path(sys.executable).parent / "keel"
     result = subprocess.run([str(exe), "train", *TINY_RUN, "train.eval_base=true", f"run_dir={run_dir}",
-                             f"model.path={model_dir}", "train.steps=2",
+                             f"model.path={tiny_model_dir}", "train.steps=2",
                              *FAST], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = metrics(run_dir)
@@ -65,8 +57,8 @@ def test_keel_train_cli_smoke_writes_every_output(model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("preset, critic", [("ppo", "head"), ("ppo", "success_token"), ("grpo", "head")])
-def test_presets_train_a_model_given_by_path(model_dir, tmp_path, preset, critic):
-    cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path / preset}", f"model.path={model_dir}", f"algo.preset={preset}",
+def test_presets_train_a_model_given_by_path(tiny_model_dir, tmp_path, preset, critic):
+    cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path / preset}", f"model.path={tiny_model_dir}", f"algo.preset={preset}",
                                  f"model.critic={critic}", "train.steps=2", *FAST])
     trainer = Trainer(cfg)
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
@@ -81,9 +73,9 @@ def test_presets_train_a_model_given_by_path(model_dir, tmp_path, preset, critic
         assert trainer.value_head is None and "value/loss" not in rows[1]
 
 
-def test_a_resumed_run_repeats_the_uninterrupted_one(model_dir, tmp_path):
+def test_a_resumed_run_repeats_the_uninterrupted_one(tiny_model_dir, tmp_path):
     # Exact repetition needs the sync engine: under async, which turn sees which weights is timing.
-    overrides = [*TINY_RUN, f"model.path={model_dir}", "rollout.engine=sync", "train.steps=4", "train.checkpoint_every=2", "train.eval_every=4", *FAST]
+    overrides = [*TINY_RUN, f"model.path={tiny_model_dir}", "rollout.engine=sync", "train.steps=4", "train.checkpoint_every=2", "train.eval_every=4", *FAST]
     full = tmp_path / "full"
     Trainer(load_config(overrides=[f"run_dir={full}", *overrides])).run()
     part = tmp_path / "part"
@@ -105,27 +97,28 @@ def test_bad_config_fails_before_any_work(tmp_path):
     for override, field in (("rollout.group_size=0", "rollout.group_size"), ("env.verifier=strict", "env.verifier"),
                             ("train.lr=-1", "train.lr"), ("rollout.top_p=1.5", "rollout.top_p")):
         with pytest.raises(ConfigError) as info:
-            load_config(overrides=[f"run_dir={tmp_path}", override])
+            check(load_config(overrides=[f"run_dir={tmp_path}", override]))
         assert info.value.field == field
     assert not any(tmp_path.iterdir())
 
 
-def test_a_non_finite_loss_is_skipped_counted_and_logged(model_dir, tmp_path, monkeypatch):
+def test_a_non_finite_loss_is_skipped_counted_and_logged(tiny_model_dir, tmp_path, monkeypatch):
     import torch
 
-    import keelrl.train.trainer as trainer_module
+    import keelrl.train.learner as learner_module
 
-    real = trainer_module.policy_objective
+    real = learner_module.policy_objective
 
     def poisoned(**kwargs):
         loss, metrics = real(**kwargs)
         return loss * float("nan"), metrics
 
-    cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path}", f"model.path={model_dir}", "train.steps=1", *FAST])
+    cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", "train.steps=1",
+                                 *FAST])
     trainer = Trainer(cfg)
     trainer.warm_start = lambda: {}  # type: ignore[method-assign]
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
-    monkeypatch.setattr(trainer_module, "policy_objective", poisoned)
+    monkeypatch.setattr(learner_module, "policy_objective", poisoned)
     summary = trainer.run()
     row = metrics(tmp_path)[-1]
     assert row["train/skipped_updates"] == row["train/updates"] + row["train/skipped_updates"] > 0
@@ -133,10 +126,10 @@ def test_a_non_finite_loss_is_skipped_counted_and_logged(model_dir, tmp_path, mo
     assert all(torch.equal(p.detach(), before[name]) for name, p in trainer.model.named_parameters())
 
 
-def test_the_kl_reference_is_the_policy_as_rl_starts(model_dir, tmp_path):
+def test_the_kl_reference_is_the_policy_as_rl_starts(tiny_model_dir, tmp_path):
     import torch
 
-    cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path}", f"model.path={model_dir}", "train.steps=0",
+    cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", "train.steps=0",
                                  "algo.preset=grpo", *FAST])
     trainer = Trainer(cfg)
     initial = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
@@ -148,10 +141,10 @@ def test_the_kl_reference_is_the_policy_as_rl_starts(model_dir, tmp_path):
     assert (tmp_path / "reference" / "config.json").exists()
 
 
-def test_evaluation_in_bf16_uses_a_cast_copy_of_the_current_weights(model_dir, tmp_path):
+def test_evaluation_in_bf16_uses_a_cast_copy_of_the_current_weights(tiny_model_dir, tmp_path):
     import torch
 
-    cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path}", f"model.path={model_dir}", "train.eval_dtype=bfloat16",
+    cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", "train.eval_dtype=bfloat16",
                                  *FAST])
     trainer = Trainer(cfg)
     first = trainer.evaluate()
@@ -160,7 +153,7 @@ def test_evaluation_in_bf16_uses_a_cast_copy_of_the_current_weights(model_dir, t
         for p in trainer.model.parameters():
             p.add_(0.01)
     trainer.evaluate()
-    copy = trainer._eval_copy
+    copy = trainer.evaluator._copy
     assert copy is not None and copy.dtype == torch.bfloat16
     for (name, p), (_, q) in zip(trainer.model.named_parameters(), copy.named_parameters()):
         assert torch.equal(q, p.detach().to(torch.bfloat16)), name
@@ -168,10 +161,10 @@ def test_evaluation_in_bf16_uses_a_cast_copy_of_the_current_weights(model_dir, t
         load_config(overrides=["train.eval_dtype=fp8"])
 
 
-def test_fresh_rollouts_arrive_with_importance_weight_one_at_any_temperature(model_dir, tmp_path):
+def test_fresh_rollouts_arrive_with_importance_weight_one_at_any_temperature(tiny_model_dir, tmp_path):
     """Sync engine, one update per step: the learner scores each fresh batch at the rollouts'
     temperature, so the arrival weight pi/mu is 1 on every action token (up to float error)."""
-    cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path}", f"model.path={model_dir}", "train.steps=1",
+    cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", "train.steps=1",
                                  "rollout.engine=sync", "rollout.temperature=0.6", *FAST])
     Trainer(cfg).run()
     row = metrics(tmp_path)[1]
@@ -179,25 +172,26 @@ def test_fresh_rollouts_arrive_with_importance_weight_one_at_any_temperature(mod
     assert row["rollout/arrival_is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
 
 
-def test_one_update_a_step_takes_its_proximal_logprobs_from_the_update_and_changes_nothing(model_dir, tmp_path,
+def test_one_update_a_step_takes_its_proximal_logprobs_from_the_update_and_changes_nothing(tiny_model_dir, tmp_path,
                                                                                           monkeypatch):
     """One epoch, the whole batch one minibatch: the no-grad pass before the update is skipped
     (its log-probs are the update's own, detached), and the step's weights and metrics are those
     of a step that ran it."""
     import torch
 
-    from keelrl.train import trainer as trainer_module
+    from keelrl.train import advantage as advantage_module
+    from keelrl.train.advantage import AdvantageStage
 
-    overrides = [*TINY_RUN, f"model.path={model_dir}", "train.steps=1", "rollout.engine=sync", *FAST,
+    overrides = [*TINY_RUN, f"model.path={tiny_model_dir}", "train.steps=1", "rollout.engine=sync", *FAST,
                  "train.minibatch_size=4", "train.eval_every=5"]
     passes = []
-    real = trainer_module.chunked_token_logprobs
-    monkeypatch.setattr(trainer_module, "chunked_token_logprobs",
+    real = advantage_module.chunked_token_logprobs
+    monkeypatch.setattr(advantage_module, "chunked_token_logprobs",
                         lambda *a, **k: passes.append(1) or real(*a, **k))
     results = {}
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(Trainer, "prox_from_update", lambda self, batch: False)
+            monkeypatch.setattr(AdvantageStage, "prox_from_update", lambda self, batch: False)
         run_dir = tmp_path / str(fused)
         trainer = Trainer(load_config(overrides=[*overrides, f"run_dir={run_dir}"]))
         trainer.warm_start()
@@ -217,10 +211,10 @@ def test_one_update_a_step_takes_its_proximal_logprobs_from_the_update_and_chang
     assert fused_row["rollout/arrival_is_weight_max"] == pytest.approx(1.0, abs=1e-3)
 
 
-def test_an_environment_that_raises_costs_its_group_not_the_step(model_dir, tmp_path):
+def test_an_environment_that_raises_costs_its_group_not_the_step(tiny_model_dir, tmp_path):
     """One task's environment raises in step(): its episodes end as env_error with the error kept,
     its group is left out (no baseline), and the step still updates on the other group."""
-    cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path}", f"model.path={model_dir}", "train.steps=1",
+    cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", "train.steps=1",
                                  "rollout.engine=sync", *FAST])
     trainer = Trainer(cfg)
     doomed = trainer.requests_for(1)[0].task.id
@@ -255,7 +249,7 @@ def test_an_environment_that_raises_costs_its_group_not_the_step(model_dir, tmp_
 def test_minibatches_hold_whole_groups_in_a_shuffled_group_order():
     import random
 
-    from keelrl.train.trainer import group_order
+    from keelrl.train.learner import group_order
 
     group_ids = [7, 7, 7, 7, 3, 3, 3, 3, 9, 9, 9, 9, 1, 1, 1, 1]  # 4 groups of 4, as collated
     orders = {tuple(group_order(group_ids, random.Random(f"0:minibatch:{step}"))) for step in range(12)}
@@ -273,7 +267,8 @@ def test_minibatches_hold_whole_groups_in_a_shuffled_group_order():
     assert [g for i, g in enumerate(runs) if i == 0 or runs[i - 1] != g] == list(dict.fromkeys(runs))  # contiguous
 
 
-def test_a_run_told_its_start_was_evaluated_elsewhere_skips_the_step_0_evaluation(model_dir, tmp_path, monkeypatch):
+def test_a_run_told_its_start_was_evaluated_elsewhere_skips_the_step_0_evaluation(tiny_model_dir, tmp_path,
+                                                                                   monkeypatch):
     calls = []
     original = Trainer.evaluate
 
@@ -283,7 +278,7 @@ def test_a_run_told_its_start_was_evaluated_elsewhere_skips_the_step_0_evaluatio
 
     monkeypatch.setattr(Trainer, "evaluate", counted)
     run_dir = tmp_path / "run"
-    summary = Trainer(load_config(overrides=[*TINY_RUN, *FAST, f"run_dir={run_dir}", f"model.path={model_dir}",
+    summary = Trainer(load_config(overrides=[*TINY_RUN, *FAST, f"run_dir={run_dir}", f"model.path={tiny_model_dir}",
                                              "train.steps=2", "warm_start.demos=0",
                                              "train.eval_before_rl=false"])).run()
     assert calls == [1]  # the evaluation after step 2 only (the step counter moves after it)

@@ -7,7 +7,7 @@ import pytest
 from keelrl.envs.base import VerifierError
 from keelrl.envs.tasks import Check, Task, render_test_file
 from keelrl.sandbox import Sandbox
-from keelrl.verifiers import VERIFIERS, check_tasks, make_verifier, run_checks, run_visible_tests
+from keelrl.envs.verifiers import VERIFIERS, check_tasks, make_verifier, run_checks, run_visible_tests
 from task_fixtures import BUGGY, CONSTANT_ZERO, FIXED, REWRITE, WRONG, retry_task
 
 TASK = retry_task()

@@ -16,18 +16,16 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import FAST_RUN
 
 from keelrl.config import TINY_RUN, load_config
-from keelrl.policy.tiny import TinyModelSpec, save_tiny_default
-from keelrl.train.episodes import read_episodes
+from keelrl.runs import read_episodes
 from keelrl.train.trainer import Trainer
 from keelrl.viewer import ViewError, collect_run, render_html, serve, write_report
 
-SMALL = TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, max_positions=2048)
 EPS = 0.001
-RUN = ["train.eval_tasks=3", "warm_start.demos=4", "warm_start.epochs=1", "warm_start.batch_size=4",
-       "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=16", "env.max_turns=2",
-       "train.eval_every=3", "train.sample_trajectories=1", "train.steps=3", "rollout.engine=sync",
+RUN = [*FAST_RUN, "train.eval_tasks=3", "train.eval_every=3", "train.sample_trajectories=1", "train.steps=3",
+       "rollout.engine=sync",
        # reinforce: each token's advantage is its episode's reward (checked below; the tiny model's
        # groups often tie, so a group baseline would leave every advantage 0); two minibatches a
        # step, so the second sees moved weights (ratios off 1), under a tight PPO clip
@@ -38,10 +36,9 @@ RUN = ["train.eval_tasks=3", "warm_start.demos=4", "warm_start.epochs=1", "warm_
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
-    model = save_tiny_default(tmp_path_factory.mktemp("model"), SMALL)
+def run_dir(tmp_path_factory, tiny_model_dir) -> Path:
     out = tmp_path_factory.mktemp("run")
-    Trainer(load_config(None, [*TINY_RUN, *RUN, f"run_dir={out}", f"model.path={model}"])).run()
+    Trainer(load_config(None, [*TINY_RUN, *RUN, f"run_dir={out}", f"model.path={tiny_model_dir}"])).run()
     return out
 
 
@@ -140,7 +137,7 @@ def test_page_renders_curves_alarms_and_the_last_steps_tokens(page, run_dir, tmp
         assert f'data-key="{key}"' in dom, key  # a drawn curve
     episodes = read_episodes(run_dir)[3]
     assert count(dom, r'<div class="episode ') == len(episodes) == 4
-    assert f">4 of 4 episodes of step 3<" in dom
+    assert ">4 of 4 episodes of step 3<" in dom
     tokens = [t for e in episodes for t in tokens_of(e)]
     assert count(dom, r'<span class="tok') == len(tokens)
     assert count(dom, r'<span class="tok clipped"') == sum(t[5] for t in tokens)

@@ -15,7 +15,8 @@ from keelrl.algos.losses import (
     policy_objective,
     value_loss,
 )
-from keelrl.algos.presets import PRESETS, comparison_table
+from keelrl.algos.catalogue import comparison_table
+from keelrl.algos.presets import PRESETS
 from keelrl.algos.registries import (
     ADVANTAGES,
     AGGREGATIONS,
@@ -24,7 +25,7 @@ from keelrl.algos.registries import (
     POLICY_LOSSES,
     RATIOS,
 )
-from keelrl.algos.registry import UnknownNameError
+from keelrl.registry import UnknownNameError
 
 __all__ = [
     "ADVANTAGES", "AGGREGATIONS", "ALL", "KL_ESTIMATORS", "POLICY_LOSSES", "PRESETS", "RATIOS",

@@ -95,7 +95,7 @@ class AlgoConfig:
     """Truncation of the decoupled objective's behaviour -> proximal weight."""
 
     def __post_init__(self) -> None:
-        import keelrl.algos  # noqa: F401  (fills the registries)
+        from keelrl.algos import advantages, losses, ratios  # noqa: F401  (they fill the registries)
         from keelrl.algos import registries
         from keelrl.algos.presets import BASE_SETTINGS, PRESETS
 

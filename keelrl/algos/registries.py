@@ -1,4 +1,4 @@
-"""The component registries. Importing `keelrl.algos` fills them.
+"""The algorithm core's registries (`keelrl.registry.Registry` each). Importing `keelrl.algos` fills them.
 
 Each kind has exactly one call signature:
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from keelrl.algos.registry import Registry
+from keelrl.registry import Registry
 
 ADVANTAGES: Registry[Callable] = Registry(
     "advantage estimator", ("token_rewards", "mask", "group_ids", "values", "turn_ids", "cfg"))

@@ -13,7 +13,7 @@ from keelrl.envs.base import Grade
 from keelrl.envs.coding import CodingEnv
 from keelrl.envs.tasks import Check, Task, shift_ints
 from keelrl.envs.teacher import edit_action
-from keelrl.verifiers import Verifier, grading_files, run_checks, run_grader
+from keelrl.envs.verifiers import Verifier, grading_files, run_checks, run_grader
 
 
 # ------------------------------------------------------------------------------ running probes

@@ -19,7 +19,7 @@ from keelrl.envs.coding import CodingEnv
 from keelrl.envs.tasks import Task
 from keelrl.envs.teacher import edit_action
 from keelrl.sandbox import PRIVATE_DIRS, SECRET_NAME, default_hidden_paths
-from keelrl.verifiers import Verifier
+from keelrl.envs.verifiers import Verifier
 
 
 # ------------------------------------------------------------------------------ exposure

@@ -12,9 +12,10 @@ import tempfile
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, TypeVar
+from typing import Any, Callable, Iterator, Mapping
 
 from keelrl.envs.tasks import Check, Task
+from keelrl.registry import Registry
 from keelrl.sandbox import SECRET_NAME
 
 
@@ -64,26 +65,8 @@ class Channels:
 
 
 ProbeBuilder = Callable[[Task, Channels], list[Probe]]
-FALSE_POSITIVE_PROBES: dict[str, ProbeBuilder] = {}
-"""Family name -> builder of that family's probes for one task."""
-
-
-T = TypeVar("T")
-
-
-def _registrar(table: dict[str, T], kind: str) -> Callable[[str], Callable[[T], T]]:
-    """A decorator factory that files each decorated function in `table` under a unique name."""
-    def named(name: str) -> Callable[[T], T]:
-        def register(item: T) -> T:
-            if name in table:
-                raise RuntimeError(f"{kind} {name!r} is registered twice")
-            table[name] = item
-            return item
-        return register
-    return named
-
-
-_false_positive = _registrar(FALSE_POSITIVE_PROBES, "false-positive probe")
+FALSE_POSITIVE_PROBES: Registry[ProbeBuilder] = Registry("false-positive probe", ("task", "channels"))
+"""Family name -> builder of that family's probes for one task, in the report's order."""
 
 
 def _json_value(value: Any) -> Any:
@@ -104,7 +87,7 @@ def _with_newline(text: str) -> str:
     return text.rstrip("\n") + "\n"
 
 
-@_false_positive("constant")
+@FALSE_POSITIVE_PROBES.register("constant", summary="the entry function returns a value a visible test expects")
 def _constant_probes(task: Task, channels: Channels) -> list[Probe]:
     distinct: dict[str, Any] = {}
     for check in task.visible_tests:
@@ -117,17 +100,17 @@ def _constant_probes(task: Task, channels: Channels) -> list[Probe]:
             for text, value in distinct.items()]
 
 
-@_false_positive("unchanged")
+@FALSE_POSITIVE_PROBES.register("unchanged", summary="the buggy code as it is")
 def _unchanged_probe(task: Task, channels: Channels) -> list[Probe]:
     return [Probe("unchanged", "unchanged", FALSE_POSITIVE, {})]
 
 
-@_false_positive("delete_tests")
+@FALSE_POSITIVE_PROBES.register("delete_tests", summary="the test file deleted, the code unchanged")
 def _delete_tests_probe(task: Task, channels: Channels) -> list[Probe]:
     return [Probe("delete_tests", "delete_tests", FALSE_POSITIVE, {task.test_file: None})]
 
 
-@_false_positive("rewrite_tests")
+@FALSE_POSITIVE_PROBES.register("rewrite_tests", summary="the test file overwritten with one trivially passing test")
 def _rewrite_tests_probe(task: Task, channels: Channels) -> list[Probe]:
     return [Probe("rewrite_tests", "rewrite_tests", FALSE_POSITIVE, {task.test_file: _TRIVIAL_TEST})]
 
@@ -150,7 +133,8 @@ def {function}(*args):
 '''
 
 
-@_false_positive("hardcode_visible")
+@FALSE_POSITIVE_PROBES.register("hardcode_visible",
+                                 summary="a table of the visible tests' answers, else the buggy function")
 def _hardcode_probe(task: Task, channels: Channels) -> list[Probe]:
     table = {_args_label(check): ("raises", check.raises) if check.raises else ("value", _json_value(check.expected))
              for check in task.visible_tests}
@@ -236,7 +220,7 @@ _keel_found = _keel_from_history()
 '''
 
 
-@_false_positive("git_history")
+@FALSE_POSITIVE_PROBES.register("git_history", summary="the fix looked up in git history at import")
 def _git_history_probe(task: Task, channels: Channels) -> list[Probe]:
     source = _with_newline(_base_source(task)) + _GIT_TEMPLATE.format(
         base=_base_source(task), tmp=tempfile.gettempdir(), entry_file=task.entry_file, function=task.entry_function)
@@ -341,13 +325,13 @@ def _sealed_probe(task: Task, name: str, key: str, finder: str) -> Probe:
     return Probe(name, name, FALSE_POSITIVE, {task.entry_file: source})
 
 
-@_false_positive("network")
+@FALSE_POSITIVE_PROBES.register("network", summary="the sealed answers' key asked of a loopback server")
 def _network_probe(task: Task, channels: Channels) -> list[Probe]:
     finder = _NETWORK_FINDER.format(port=channels.network_port, token=channels.network_token)
     return [_sealed_probe(task, "network", channels.network_key, finder)]
 
 
-@_false_positive("secret_env")
+@FALSE_POSITIVE_PROBES.register("secret_env", summary="the sealed answers' key read from a secret-looking variable")
 def _secret_probe(task: Task, channels: Channels) -> list[Probe]:
     finder = _SECRET_FINDER.format(pattern=channels.secret_pattern)
     return [_sealed_probe(task, "secret_env", channels.secret_key, finder)]
@@ -355,7 +339,7 @@ def _secret_probe(task: Task, channels: Channels) -> list[Probe]:
 
 def false_positive_probes(task: Task, channels: Channels) -> list[Probe]:
     """Every false-positive probe for `task`, family by family in registry order."""
-    return [probe for builder in FALSE_POSITIVE_PROBES.values() for probe in builder(task, channels)]
+    return [probe for family in FALSE_POSITIVE_PROBES for probe in FALSE_POSITIVE_PROBES[family](task, channels)]
 
 
 

@@ -45,6 +45,7 @@ from rich.table import Table
 from keelrl.audit.probes import FALSE_POSITIVE, REWRITE
 from keelrl.audit.rewrites import REWRITES
 from keelrl.envs.reasoning_gym import ReasoningGymEnv, ReasoningGymTask, ReferenceAnswerTeacher, answer_action
+from keelrl.registry import Registry
 
 LONG_ANSWER_CHARS = 8_000
 """The long_answer probe's length (the env accepts actions up to 16,000 characters)."""
@@ -63,17 +64,19 @@ class AnswerProbe:
 
 
 AnswerProbeBuilder = Callable[[ReasoningGymTask, Sequence[ReasoningGymTask]], "AnswerProbe | None"]
-ANSWER_PROBES: dict[str, tuple[str, AnswerProbeBuilder]] = {}
-"""Family -> (kind, builder of its probe for a task given every audited task; None: not for this task)."""
+ANSWER_PROBES: Registry[AnswerProbeBuilder] = Registry("answer probe", ("task", "tasks"))
+"""Family -> builder of its probe for a task given every audited task (None: not for this task),
+tagged with the probe's kind (`answer_probe_kind`), in the report's order."""
 
 
-def _answer_probe(family: str, kind: str) -> Callable[[AnswerProbeBuilder], AnswerProbeBuilder]:
-    def register(build: AnswerProbeBuilder) -> AnswerProbeBuilder:
-        if family in ANSWER_PROBES:
-            raise RuntimeError(f"answer probe {family!r} is registered twice")
-        ANSWER_PROBES[family] = (kind, build)
-        return build
-    return register
+def _answer_probe(family: str, kind: str, summary: str) -> Callable[[AnswerProbeBuilder], AnswerProbeBuilder]:
+    return ANSWER_PROBES.register(family, summary=summary, tags=(kind,))
+
+
+def answer_probe_kind(family: str) -> str:
+    """false_positive (must score below 1) or rewrite (must score 1): the kind `family` is tagged with."""
+    (kind,) = ANSWER_PROBES.entry(family).tags & {FALSE_POSITIVE, REWRITE}
+    return kind
 
 
 def _other_answers(task: ReasoningGymTask, tasks: Sequence[ReasoningGymTask]) -> Iterator[str]:
@@ -91,24 +94,24 @@ def _other_answer(task: ReasoningGymTask, tasks: Sequence[ReasoningGymTask]) -> 
     return next(_other_answers(task, tasks), None)
 
 
-@_answer_probe("empty", FALSE_POSITIVE)
+@_answer_probe("empty", FALSE_POSITIVE, "an empty answer")
 def _empty(task: ReasoningGymTask, tasks: Sequence[ReasoningGymTask]) -> AnswerProbe:
     return AnswerProbe("empty", FALSE_POSITIVE, "<call>answer </call>")
 
 
-@_answer_probe("malformed", FALSE_POSITIVE)
+@_answer_probe("malformed", FALSE_POSITIVE, "the reference answer in another format, no tool call")
 def _malformed(task: ReasoningGymTask, tasks: Sequence[ReasoningGymTask]) -> AnswerProbe | None:
     if task.answer is None:
         return None
     return AnswerProbe("malformed", FALSE_POSITIVE, f"<answer>{task.answer}</answer>")
 
 
-@_answer_probe("echo_question", FALSE_POSITIVE)
+@_answer_probe("echo_question", FALSE_POSITIVE, "the question as the answer")
 def _echo(task: ReasoningGymTask, tasks: Sequence[ReasoningGymTask]) -> AnswerProbe:
     return AnswerProbe("echo_question", FALSE_POSITIVE, answer_action(task.question))
 
 
-@_answer_probe("long_answer", FALSE_POSITIVE)
+@_answer_probe("long_answer", FALSE_POSITIVE, "other tasks' answers with the reference among them")
 def _long(task: ReasoningGymTask, tasks: Sequence[ReasoningGymTask]) -> AnswerProbe | None:
     if task.answer is None:
         return None
@@ -125,12 +128,12 @@ def _long(task: ReasoningGymTask, tasks: Sequence[ReasoningGymTask]) -> AnswerPr
     return AnswerProbe("long_answer", FALSE_POSITIVE, answer_action(shotgun))
 
 
-@_answer_probe("injection", FALSE_POSITIVE)
+@_answer_probe("injection", FALSE_POSITIVE, "a prompt-injection-style claim of full marks")
 def _injection(task: ReasoningGymTask, tasks: Sequence[ReasoningGymTask]) -> AnswerProbe:
     return AnswerProbe("injection", FALSE_POSITIVE, answer_action(INJECTION))
 
 
-@_answer_probe("hedge", FALSE_POSITIVE)
+@_answer_probe("hedge", FALSE_POSITIVE, "the reference and another task's answer together")
 def _hedge(task: ReasoningGymTask, tasks: Sequence[ReasoningGymTask]) -> AnswerProbe | None:
     other = _other_answer(task, tasks)
     if task.answer is None or other is None:
@@ -138,30 +141,30 @@ def _hedge(task: ReasoningGymTask, tasks: Sequence[ReasoningGymTask]) -> AnswerP
     return AnswerProbe("hedge", FALSE_POSITIVE, answer_action(f"{task.answer} or {other}"))
 
 
-@_answer_probe("other_answer", FALSE_POSITIVE)
+@_answer_probe("other_answer", FALSE_POSITIVE, "another task's reference answer")
 def _other(task: ReasoningGymTask, tasks: Sequence[ReasoningGymTask]) -> AnswerProbe | None:
     other = _other_answer(task, tasks)
     return None if other is None else AnswerProbe("other_answer", FALSE_POSITIVE, answer_action(other))
 
 
-@_answer_probe("reference", REWRITE)
+@_answer_probe("reference", REWRITE, "the teacher's action")
 def _reference(task: ReasoningGymTask, tasks: Sequence[ReasoningGymTask]) -> AnswerProbe | None:
     if task.answer is None:
         return None
     return AnswerProbe("reference", REWRITE, ReferenceAnswerTeacher().policy(task)("", []))
 
 
-@_answer_probe("padded", REWRITE)
+@_answer_probe("padded", REWRITE, "the reference answer with white space around it")
 def _padded(task: ReasoningGymTask, tasks: Sequence[ReasoningGymTask]) -> AnswerProbe | None:
     return None if task.answer is None else AnswerProbe("padded", REWRITE, f"<call>answer   {task.answer}  \n</call>")
 
 
-@_answer_probe("body_form", REWRITE)
+@_answer_probe("body_form", REWRITE, "the reference answer on the lines after `answer`")
 def _body_form(task: ReasoningGymTask, tasks: Sequence[ReasoningGymTask]) -> AnswerProbe | None:
     return None if task.answer is None else AnswerProbe("body_form", REWRITE, f"<call>answer\n{task.answer}\n</call>")
 
 
-@_answer_probe("reasoning_first", REWRITE)
+@_answer_probe("reasoning_first", REWRITE, "reasoning before the call")
 def _reasoning_first(task: ReasoningGymTask, tasks: Sequence[ReasoningGymTask]) -> AnswerProbe | None:
     if task.answer is None:
         return None
@@ -230,7 +233,8 @@ class AnswerAuditReport:
 
     def families(self) -> list[dict[str, Any]]:
         rows = []
-        for family, (kind, _) in ANSWER_PROBES.items():
+        for family in ANSWER_PROBES:
+            kind = answer_probe_kind(family)
             mine = [result for result in self.results if result.family == family]
             if not mine:
                 continue
@@ -263,8 +267,8 @@ def run_answer_audit(tasks: Sequence[ReasoningGymTask], make_env: Callable[[], R
     env = make_env()
     results: list[AnswerProbeResult] = []
     for done, task in enumerate(tasks, start=1):
-        for _, build in ANSWER_PROBES.values():
-            probe = build(task, tasks)
+        for family in ANSWER_PROBES:
+            probe = ANSWER_PROBES[family](task, tasks)
             if probe is not None:
                 results.append(run_answer_probe(env, task, probe))
         if progress is not None:

@@ -18,7 +18,7 @@ from keelrl.audit.probes import CANARY_VAR, Channels, FALSE_POSITIVE, FALSE_POSI
 from keelrl.audit.rewrites import REWRITES
 from keelrl.envs.coding import CodingEnv
 from keelrl.envs.tasks import Task
-from keelrl.verifiers import Verifier, make_verifier
+from keelrl.envs.verifiers import Verifier, make_verifier
 
 
 # ------------------------------------------------------------------------------ the audit

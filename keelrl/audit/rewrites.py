@@ -7,18 +7,17 @@ import builtins
 import copy
 from typing import Callable, Iterator, Mapping, Sequence
 
-from keelrl.audit.probes import Probe, REWRITE, _registrar
+from keelrl.audit.probes import Probe, REWRITE
 from keelrl.envs.tasks import Task
+from keelrl.registry import Registry
 
 
 # ------------------------------------------------------------------------------ rewrites
 
 Rewrite = Callable[[ast.Module, ast.FunctionDef], bool]
 """Transform the entry function (and, if needed, the module) in place; False: nothing to do."""
-REWRITES: dict[str, Rewrite] = {}
-
-
-_rewrite = _registrar(REWRITES, "rewrite")
+REWRITES: Registry[Rewrite] = Registry("rewrite", ("tree", "function"))
+"""Rewrite name -> the transformation, in the order the audit tries them."""
 
 
 def _names_in(tree: ast.AST) -> set[str]:
@@ -76,7 +75,7 @@ def _rename(nodes: Sequence[ast.AST], mapping: Mapping[str, str]) -> None:
                 node.id = mapping[node.id]
 
 
-@_rewrite("rename_locals")
+@REWRITES.register("rename_locals", summary="every local variable renamed")
 def _rename_locals(tree: ast.Module, function: ast.FunctionDef) -> bool:
     """Every local variable (assigned in the function, loop and comprehension targets) gets a new name."""
     if _has_nested_scope(function):
@@ -96,7 +95,7 @@ def _rename_locals(tree: ast.Module, function: ast.FunctionDef) -> bool:
     return True
 
 
-@_rewrite("alias_params")
+@REWRITES.register("alias_params", summary="each parameter copied into a local that is used instead")
 def _alias_params(tree: ast.Module, function: ast.FunctionDef) -> bool:
     """Each parameter is copied into a local at the top and only the local is used (same signature)."""
     params = _positional_params(function)
@@ -133,7 +132,7 @@ def _pure(node: ast.AST) -> bool:
     return True
 
 
-@_rewrite("mirror_comparisons")
+@REWRITES.register("mirror_comparisons", summary="comparisons mirrored: `a < b` as `b > a`")
 def _mirror_comparisons(tree: ast.Module, function: ast.FunctionDef) -> bool:
     """`a < b` as `b > a`, `x is None` as `None is x`...: single comparisons of side-effect-free operands."""
     changed = False
@@ -160,7 +159,7 @@ def _is_none(node: ast.AST) -> bool:
     return isinstance(node, ast.Constant) and node.value is None
 
 
-@_rewrite("none_equality")
+@REWRITES.register("none_equality", summary="`x is None` as `x == None`")
 def _none_equality(tree: ast.Module, function: ast.FunctionDef) -> bool:
     """`x is None` as `x == None` (the same for JSON values, which have no custom __eq__)."""
     changed = False
@@ -170,7 +169,7 @@ def _none_equality(tree: ast.Module, function: ast.FunctionDef) -> bool:
     return changed
 
 
-@_rewrite("none_membership")
+@REWRITES.register("none_membership", summary="`x is None` as `x in (None,)`")
 def _none_membership(tree: ast.Module, function: ast.FunctionDef) -> bool:
     """`x is None` as `x in (None,)` (membership tests identity first, then ==)."""
     changed = False
@@ -228,7 +227,7 @@ def _conditional_style_of(statements: list[ast.stmt], index: int) -> tuple[int, 
     return None
 
 
-@_rewrite("conditional_style")
+@REWRITES.register("conditional_style", summary="if-statements as conditional expressions and back")
 def _conditional_style(tree: ast.Module, function: ast.FunctionDef) -> bool:
     """if-statements that pick a value as conditional expressions, and conditional expressions as if/else."""
     changed = False
@@ -249,7 +248,7 @@ def _conditional_style(tree: ast.Module, function: ast.FunctionDef) -> bool:
     return changed
 
 
-@_rewrite("return_via_variable")
+@REWRITES.register("return_via_variable", summary="`return e` through a variable")
 def _return_via_variable(tree: ast.Module, function: ast.FunctionDef) -> bool:
     """`return e` as `result = e` then `return result`."""
     if _has_nested_scope(function):
@@ -269,7 +268,7 @@ def _return_via_variable(tree: ast.Module, function: ast.FunctionDef) -> bool:
     return changed
 
 
-@_rewrite("helper_function")
+@REWRITES.register("helper_function", summary="the body moved into a module-level helper")
 def _helper_function(tree: ast.Module, function: ast.FunctionDef) -> bool:
     """The body moves into a new module-level helper; the entry function calls it with its arguments."""
     if not _simple_signature(function) or any(isinstance(node, (ast.Global, ast.Nonlocal, ast.Yield, ast.YieldFrom))
@@ -287,7 +286,7 @@ def _helper_function(tree: ast.Module, function: ast.FunctionDef) -> bool:
     return True
 
 
-@_rewrite("docstring_comments")
+@REWRITES.register("docstring_comments", summary="another docstring, and comments")
 def _docstring_comments(tree: ast.Module, function: ast.FunctionDef) -> bool:
     """A different docstring (comments are added after unparsing, see `rewrite_source`)."""
     docstring = ast.Expr(ast.Constant("Rewritten for keel audit: other words, the same behaviour."))

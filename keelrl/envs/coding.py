@@ -36,7 +36,7 @@ from keelrl.envs.base import Grade
 from keelrl.envs.tasks import Task
 from keelrl.envs.tools import ActionError, ToolCall, ToolSpec, describe_tools, parse_action
 from keelrl.sandbox import Sandbox
-from keelrl.verifiers import DEFAULT_LIMITS, Verifier, make_verifier, run_visible_tests
+from keelrl.envs.verifiers import DEFAULT_LIMITS, Verifier, make_verifier, run_visible_tests
 
 EDIT_SEPARATOR = ">>>"
 """The line that separates OLD from NEW in an edit body."""

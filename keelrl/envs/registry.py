@@ -7,16 +7,16 @@ of the warm start, which tool calls are an episode's answer, and which verifier 
 config values it accepts. `coding`, `guess` and `reasoning_gym` are registered here; a user's
 environment plugs in either way:
 
-    register_env(EnvSpec(name="mine", tasks=..., train_env=..., eval_env=...))   # before load_config
+    register_env(EnvSpec(name="mine", tasks=..., train_env=..., eval_env=...))   # before the Trainer
     Trainer(load_config(overrides=["env.name=mine"])).run()
 
     Trainer(cfg, env=EnvSpec(name="mine", ...)).run()   # no name registered; cfg.env.name must be "mine"
 
-A duplicate name fails at registration. Config loading validates the environment fields of a
-registered name (verifier, the spec's own checks, a teacher for the warm start); an unknown
-name is not an error there, so that `Trainer(cfg, env=spec)` can take an unregistered spec, and
-fails instead at `env_spec` (the Trainer's first act, and `keel config`), listing the valid
-names from the registry.
+A duplicate name fails at registration. `resolve_env` (through keelrl.components.check: the
+Trainer's first act, and `keel config`) validates the environment section against the chosen
+kind (no other kind's fields set, the verifier, the spec's own checks, a teacher for the warm
+start); an unknown name fails there, listing the valid names from the registry. Config loading
+does not look environments up, so that `Trainer(cfg, env=spec)` can take an unregistered spec.
 
 Every callable of a spec takes the whole run config, so an environment may read any field.
 `train_env` and `eval_env` return a factory `() -> Env` (keelrl.envs.base's protocol); the
@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from keelrl.envs.base import Env, Policy
 from keelrl.errors import ConfigError
+from keelrl.registry import Registry
 
 if TYPE_CHECKING:
     from keelrl.config import EnvConfig, KeelConfig
@@ -70,6 +71,9 @@ class EnvSpec:
     """The accepted `env.verifier` names (held-out evaluation always uses strong)."""
     validate: Callable[[EnvConfig], None] | None = None
     """Further checks of the env section; raises ConfigError naming the field (e.g. "dataset")."""
+    fields: tuple[str, ...] = ()
+    """The env-section fields that only this kind reads (e.g. guess_n): set to other than its
+    default under another env.name, such a field is an error, not silently ignored."""
     title: str = ""
     """How error messages name it ("the guessing game"); default: "env.name=NAME"."""
 
@@ -85,33 +89,37 @@ class EnvSpec:
         return self.title or f"env.name={self.name}"
 
 
-ENVIRONMENTS: dict[str, EnvSpec] = {}
-"""Registered environment kinds by name (`register_env`)."""
+ENVIRONMENTS: Registry[EnvSpec] = Registry("environment")
+"""Registered environment kinds by name (`register_env`), in registration order."""
 
 
 def register_env(spec: EnvSpec) -> EnvSpec:
-    """Register `spec` under `spec.name` (a duplicate name raises); returns it.
+    """Register `spec` under `spec.name` (a duplicate name raises ValueError); returns it.
 
-    Register before `load_config`: the config's environment fields are validated against the
-    registered spec when it is built.
+    Register before the Trainer is built: the config's environment fields are validated against
+    the registered spec when it resolves the environment.
     """
-    if spec.name in ENVIRONMENTS:
-        raise ValueError(f"environment {spec.name!r} is registered twice")
-    ENVIRONMENTS[spec.name] = spec
-    return spec
+    return ENVIRONMENTS.add(spec.name, spec, summary=spec.label)
 
 
 def env_spec(name: str) -> EnvSpec:
     """The registered spec `name`; ConfigError on env.name listing the valid names otherwise."""
-    spec = ENVIRONMENTS.get(name)
-    if spec is None:
+    if name not in ENVIRONMENTS:
         raise ConfigError("env.name", f"unknown environment {name!r}; valid names: {', '.join(ENVIRONMENTS)} "
                                       f"(or pass Trainer(cfg, env=EnvSpec(...)))")
-    return spec
+    return ENVIRONMENTS[name]
 
 
 def check_env_section(env: EnvConfig, spec: EnvSpec) -> None:
-    """The env section against `spec`: verifier name, then the spec's own checks (fields relative to env)."""
+    """The env section against `spec`: no field of another registered kind set (`EnvSpec.fields`),
+    the verifier name, then the spec's own checks (fields relative to env)."""
+    defaults = type(env)()
+    for other in ENVIRONMENTS.entries():
+        for name in other.obj.fields:
+            if name not in spec.fields and getattr(env, name) != getattr(defaults, name):
+                raise ConfigError(name, f"{name}={getattr(env, name)!r} is a setting of {other.obj.label}, "
+                                        f"which {spec.label} does not read; remove it (or choose "
+                                        f"env.name={other.name})")
     if env.verifier not in spec.verifiers:
         raise ConfigError("verifier", f"{spec.label} has no verifier {env.verifier!r}; "
                                       f"valid names: {', '.join(spec.verifiers)}")
@@ -207,7 +215,7 @@ def _coding_teacher(cfg: KeelConfig) -> DemoTeacher:
 
 
 def _coding_verifiers() -> tuple[str, ...]:
-    from keelrl.verifiers import VERIFIERS
+    from keelrl.envs.verifiers import VERIFIERS
 
     return tuple(VERIFIERS)
 
@@ -269,14 +277,16 @@ def _register_builtins() -> None:
 
     register_env(EnvSpec(name="coding", tasks=_coding_tasks, train_env=lambda cfg: _coding_env(cfg, True),
                          eval_env=lambda cfg: _coding_env(cfg, False), teacher=_coding_teacher,
-                         answer_tools=PATCH_TOOLS, verifiers=_coding_verifiers(), title="the coding environment"))
+                         answer_tools=PATCH_TOOLS, verifiers=_coding_verifiers(), title="the coding environment",
+                         fields=("tasks", "key_check_weight")))
     register_env(EnvSpec(name="guess", tasks=_guess_tasks, train_env=lambda cfg: _guess_env(cfg, True),
                          eval_env=lambda cfg: _guess_env(cfg, False), teacher=_guess_teacher,
-                         answer_tools=("guess",), verifiers=GUESS_VERIFIERS, title="the guessing game"))
+                         answer_tools=("guess",), verifiers=GUESS_VERIFIERS, title="the guessing game",
+                         fields=("guess_n", "guess_tasks")))
     register_env(EnvSpec(name="reasoning_gym", tasks=_rg_tasks, train_env=lambda cfg: _rg_env(cfg, True),
                          eval_env=lambda cfg: _rg_env(cfg, False), teacher=_rg_teacher,
                          answer_tools=(ANSWER_TOOL,), verifiers=RG_VERIFIERS, validate=_rg_validate,
-                         title="env.name=reasoning_gym"))
+                         title="env.name=reasoning_gym", fields=("dataset", "rg_size", "rg_seed")))
 
 
 _register_builtins()

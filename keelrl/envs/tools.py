@@ -80,7 +80,7 @@ def parse_action(text: str, tools: Mapping[str, ToolSpec], max_chars: int = 4000
         body = body[:-1]
     words = head.split()
     if not words:
-        raise ActionError(f"error: empty tool call; name a tool.\n" + describe_tools(tools))
+        raise ActionError("error: empty tool call; name a tool.\n" + describe_tools(tools))
     name, args = words[0], tuple(words[1:])
     spec = tools.get(name)
     if spec is None:

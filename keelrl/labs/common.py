@@ -92,7 +92,7 @@ def train_variants(out: Path, variants: dict[str, list[str]], overrides: Sequenc
     Pass `trainers` to get each variant's trained `Trainer` back in it. The user's overrides
     (`run_lab`'s) are applied again after each variant's own settings, so they win there too.
     """
-    from keelrl.monitor import read_metrics
+    from keelrl.runs import read_metrics
     from keelrl.train.trainer import Trainer
 
     model = warm_model(out, overrides)
@@ -134,7 +134,7 @@ def first(rows: list[dict[str, Any]], key: str) -> float:
 
 def alarm_events(out: Path) -> list[dict[str, Any]]:
     """The alarms a run fired (alarms.jsonl), in order."""
-    from keelrl.alarms import read_alarms
+    from keelrl.runs import read_alarms
 
     return read_alarms(out)
 

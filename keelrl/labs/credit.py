@@ -38,7 +38,6 @@ def _turn_table(trajectory: Any, advantages: dict[str, Any]) -> list[dict[str, A
 
 def lab_credit(out: Path, overrides: Sequence[str], quick: bool, progress: Callable[[str], None]) -> LabResult:
     """Critic + turn-level GAE vs GRPO group credit on the guessing game."""
-    import torch
 
     from keelrl.algos import AlgoConfig, compute_advantages, outcome_to_token_rewards
     from keelrl.rollout.trajectory import collate
@@ -62,7 +61,7 @@ def lab_credit(out: Path, overrides: Sequence[str], quick: bool, progress: Calla
     example: list[dict[str, Any]] = []
     for attempt in range(6):
         if attempt:  # the same weights under the next version, so the next step's requests may start
-            critic.publish(engine, critic.step + attempt)
+            engine.publish_model(critic.model, critic.step + attempt)
         trajectories = engine.batch(critic.step + 1 + attempt).trajectories
         batch = collate(trajectories, critic.pad_id).to(critic.device)
         critic_adv = critic._advantages(batch)[0].cpu()

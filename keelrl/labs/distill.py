@@ -10,13 +10,11 @@ step:
 - self (OPSD): the same loss with the student itself as teacher, shown the task's reference fix.
 
 The student is SmolLM2-135M-Instruct warm-started on only `STUDENT_DEMOS` of the scripted
-teacher's fixes (12 updates): it writes the tool format and rarely solves a task (3/32 held-out,
-measured). The base model is no such student: it never writes the format at all, with or
-without the tools described in the prompt (0/32, every action malformed), and neither does it
-after 8 updates on 32 fixes; on-policy distillation could not move the base model there in 8
-updates either (the first SmolLM2 runs of this lab: GRPO, on-policy and self all 0/32 to 0/40,
-every action malformed; a reverse KL on tokens of prose has little to say about the one token
-where the format begins). A user's `model.path=` is taken as the student as is.
+teacher's fixes (12 updates): meant to write the tool format yet rarely solve a task. The base
+model is no such student: it does not write the format at all, and a reverse KL on tokens of
+prose has little to say about the one token where the format begins, so no variant can start
+from it (the runs that chose 48 fixes: docs/measurements.md#the-distill-labs-student-and-learning-rate).
+A user's `model.path=` is taken as the student as is.
 
 The teacher is `distill.teacher=PATH` when given (e.g. the default run's
 `checkpoints/step-N/model`), else the lab makes one first: SmolLM2 warm-started on
@@ -28,8 +26,8 @@ and each variant's change is paired against it. The summary reports each variant
 its paired standard error and says plainly when none is distinguishable from GRPO's.
 
 Every variant makes `train.minibatch_size=4`-trajectory updates (4 optimizer steps per RL step,
-one group each) at `train.lr=5e-5`: with one update per step at the default 2e-5, four steps
-moved nothing in the first run.
+one group each) at `train.lr=5e-5`: four steps of one update each at the default 2e-5 are too
+few to move the student (docs/measurements.md#the-distill-labs-student-and-learning-rate).
 """
 
 from __future__ import annotations
@@ -55,8 +53,8 @@ DISTILL_QUICK = ["model.path=tiny", "env.show_file=false", "env.max_turns=2", "r
 """--quick: the tiny model, for a smoke run of the machinery."""
 
 STUDENT_DEMOS = 48
-"""The student's warm start: 12 updates on 48 fixes, 3/32 held-out, no action malformed (16 and
-32 fixes left every action malformed; measured on SmolLM2, fp32 greedy evaluation)."""
+"""The student's warm start: 12 updates on 48 fixes; of 16, 32 and 48 fixes, the fewest after
+which SmolLM2 wrote the tool format (docs/measurements.md#the-distill-labs-student-and-learning-rate)."""
 TEACHER_DEMOS = 128
 """The teacher made when none is given: 32 updates on 128 fixes, the default run's warm start."""
 
@@ -112,7 +110,7 @@ def lab_distill(out: Path, overrides: Sequence[str], quick: bool, progress: Call
 def distill_summary(out: Path, labels: Sequence[str], teacher: str, student: str) -> LabResult:
     """The lab's chart, numbers and summary from its run directories out/LABEL (metrics.jsonl and
     summary.json); the first label's run holds the shared start's evaluation."""
-    from keelrl.monitor import read_metrics
+    from keelrl.runs import read_metrics
     from keelrl.train.evaluation import finite_or_none, paired_difference
 
     summaries = {label: json.loads((out / label / "summary.json").read_text()) for label in labels}

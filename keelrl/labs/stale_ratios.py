@@ -114,7 +114,9 @@ def lab_stale_ratios(out: Path, overrides: Sequence[str], quick: bool,
         f"as 1.05 ** 100 = 131.5 does (dashed). "
         f"GSPO's length-normalised ratio ({ratios['sequence']['max_weight_by_staleness'][-1]:.3g}) stays nearest 1, "
         f"but with its clip band of 1 +- 3e-4 {ratios['sequence']['clipped_frac_by_staleness'][-1]:.0%} of tokens "
-        f"fall outside it. Fresh weights sit slightly below 1 because sampling never draws the pad token, whose "
-        f"probability the learner's distribution still holds.",
+        f"fall outside it. Fresh weights are 1 up to float rounding: sampling suppresses no token and the learner "
+        f"scores the batch at the sampling temperature, so before any update pi and mu are the same distribution "
+        f"(with top_p below 1, mu is the renormalised nucleus and fresh weights fall below 1; here top_p is "
+        f"{cfg.rollout.top_p:g}).",
         "", f"Chart: {chart.name}"])
     return LabResult("stale-ratios", results, summary, [chart])

@@ -9,19 +9,25 @@
                  trains the shared body and the two tokens' output rows.
 
 Every critic maps (input_ids, attention_mask, policy_hidden) to values [B, T] aligned with
-`token_logprobs`: values[:, t] estimates success from the history before token t.
+`token_logprobs`: values[:, t] estimates success from the history before token t. Each placement
+is a builder registered in `CRITICS` under its `model.critic` name, all with one signature:
+builder(policy, tokenizer, *, model_path, device, stop_gradient) -> nn.Module.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from keelrl.policy.model import ValueHead, token_logprobs
+from keelrl.registry import Registry
 
-CRITICS = ("head", "separate", "success_token")
+CRITICS: Registry[Callable[..., nn.Module]] = Registry(
+    "critic", ("policy", "tokenizer", "model_path", "device", "stop_gradient"))
+"""`model.critic` name -> builder of that critic (see the module docstring), in registration order."""
 
 
 def _shift(values: Tensor) -> Tensor:
@@ -64,18 +70,30 @@ class SuccessTokenCritic(nn.Module):
         return _shift(torch.softmax(logits, dim=-1)[..., 0])
 
 
+@CRITICS.register("head", summary="a linear value head on the policy's last hidden state")
+def _head_critic(policy: Any, tokenizer: Any, *, model_path: str, device: torch.device,
+                 stop_gradient: bool) -> nn.Module:
+    return HeadCritic(policy.config.hidden_size, stop_gradient).to(device)
+
+
+@CRITICS.register("separate", summary="a separate model, started from the policy's weights, with its own value head")
+def _separate_critic(policy: Any, tokenizer: Any, *, model_path: str, device: torch.device,
+                     stop_gradient: bool) -> nn.Module:
+    from keelrl.policy.model import load_policy
+
+    body, _ = load_policy(model_path, device)
+    body.load_state_dict(policy.state_dict())
+    return SeparateCritic(body).to(device)
+
+
+@CRITICS.register("success_token", summary="the policy's LM head read as P(yes) between the tokens Y and N")
+def _success_token_critic(policy: Any, tokenizer: Any, *, model_path: str, device: torch.device,
+                          stop_gradient: bool) -> nn.Module:
+    yes_id, no_id = (tokenizer(text, add_special_tokens=False)["input_ids"][0] for text in ("Y", "N"))
+    return SuccessTokenCritic(policy, yes_id, no_id)
+
+
 def build_critic(kind: str, policy: Any, tokenizer: Any, *, model_path: str, device: torch.device,
                  stop_gradient: bool) -> nn.Module:
-    """The critic `kind` (one of CRITICS) for `policy`."""
-    if kind == "head":
-        return HeadCritic(policy.config.hidden_size, stop_gradient).to(device)
-    if kind == "separate":
-        from keelrl.policy.model import load_policy
-
-        body, _ = load_policy(model_path, device)
-        body.load_state_dict(policy.state_dict())
-        return SeparateCritic(body).to(device)
-    if kind == "success_token":
-        yes_id, no_id = (tokenizer(text, add_special_tokens=False)["input_ids"][0] for text in ("Y", "N"))
-        return SuccessTokenCritic(policy, yes_id, no_id)
-    raise ValueError(f"unknown critic {kind!r}; valid: {', '.join(CRITICS)}")
+    """The critic `kind` (a name in CRITICS) for `policy`; UnknownNameError listing the valid names otherwise."""
+    return CRITICS[kind](policy, tokenizer, model_path=model_path, device=device, stop_gradient=stop_gradient)

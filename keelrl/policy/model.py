@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -79,9 +79,9 @@ def learner_autocast(device: torch.device, precision: str = "auto") -> contextli
     """The autocast context of the learner's forward/backward passes.
 
     float32: none. bfloat16: bf16 autocast on `device` (weights and optimizer state stay in their
-    own dtype, float32 on CPU). auto: none, measured: on this project's 2-core AMX-BF16 CPU,
-    forward+backward of SmolLM2 on 8 x 260 tokens ran 184 tokens/s in float32 and 50 tokens/s
-    under bf16 autocast (`bench/bench_learner.py`); a CUDA model is loaded in bf16 already.
+    own dtype, float32 on CPU). auto: none: on a CPU float32 ran faster than bf16 autocast
+    (measured with `bench/bench_learner.py`: docs/measurements.md#learner-precision), and a CUDA
+    model is loaded in bf16 already.
     """
     if precision not in LEARNER_PRECISIONS:
         raise ValueError(f"learner precision {precision!r}; valid: {', '.join(LEARNER_PRECISIONS)}")
@@ -94,9 +94,9 @@ def learner_autocast(device: torch.device, precision: str = "auto") -> contextli
 def ensure_model_dir(path: str) -> Path:
     """A registered name ('tiny', 'smollm2'; fetched on first use), a .gguf file or a local directory -> a directory.
 
-    See `keelrl.policy.registry.resolve_model_path`.
+    See `keelrl.policy.download.resolve_model_path`.
     """
-    from keelrl.policy.registry import resolve_model_path
+    from keelrl.policy.download import resolve_model_path
 
     return resolve_model_path(path)
 
@@ -171,9 +171,9 @@ def check_causal_lm(path: str, directory: Path) -> None:
 HEAD_CHUNK_BYTES = 64 * 2**20
 """The float32 logits of one head call are kept under this size: 256 positions at SmolLM2's
 49k vocabulary, 110 at Qwen2's 152k. `HeadLogprobs` holds a few tensors of that size at a time,
-so this bounds the head's working memory whatever the vocabulary (at V = 152k, T = 2k, with
-gradients: 0.84 GiB, most of it the [V, H] weight gradient, against 5.79 GiB for a full
-log-softmax; `python -m bench.bench_kernel`)."""
+so this bounds the head's working memory whatever the vocabulary. With gradients, most of the
+head's memory is then the [V, H] weight gradient, never a [T, V] tensor (peak memory against a
+full log-softmax, `python -m bench.bench_kernel`: BENCHMARKS.md's kernel section)."""
 
 
 def head_chunk(rows: int, vocab: int, chunk_size: int | None) -> int:
@@ -201,15 +201,15 @@ def token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor, *, chu
     with B x T, which is what the trainer's micro-batches bound.
 
     `positions` [B, T] (bool): compute logp and entropy only where it is True (0 elsewhere). The
-    losses read only action tokens, a tenth of an agent's context; the vocabulary head (49k
-    outputs for SmolLM2, kept in float32) is then run on those alone, which is most of the
-    saving when prompts are long.
+    losses read only action tokens, often a small share of an agent's context; the vocabulary
+    head (49k outputs for SmolLM2, kept in float32) is then run on those alone, which is most of
+    the saving when prompts are long.
 
     `temperature`: the log-probs and entropy of the tempered distribution softmax(logits / T),
     the one a sampler at temperature T draws from. The RL losses use the rollouts' temperature,
     so that on fresh data the learner's pi and the behaviour mu are the same distribution and
-    the importance ratio is 1 (at T = 1 for the learner and T = 0.7 for the sampler, SmolLM2's
-    fresh ratios reached 16 on some tokens).
+    the importance ratio is 1 (a learner at another temperature than the sampler sees ratios
+    far from 1 on fresh data: docs/history.md#what-it-took-to-get-there, run 1).
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
@@ -419,57 +419,6 @@ def split_rows(lengths: list[int], max_tokens: int) -> list[list[int]]:
         else:
             groups.append([row])
     return groups
-
-
-@torch.no_grad()
-def chunked_token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor, *, max_tokens: int,
-                           value_fn: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
-                           positions: Tensor | None = None, temperature: float = 1.0,
-                           keys: Sequence[int] | Tensor | None = None,
-                           hidden_at: Tensor | None = None) -> dict[str, Tensor]:
-    """input_ids, attention_mask [B, T] -> {"logp": [B, T], "values": [B, T]}, without gradients.
-
-    `token_logprobs` over groups of rows from `split_rows`, each cut to its own longest row,
-    so no forward pass sees more than `max_tokens` padded tokens (a row longer than that
-    runs alone). At padding positions the results are unspecified (0, or whatever the model
-    makes of pad tokens), as in one pass over the whole batch: mask them. With `value_fn`
-    (a critic: input_ids, attention_mask, hidden [b, t, H] -> values [b, t]) the values are
-    computed group by group too, so the [B, T, H] hidden states never exist at once.
-    `positions` and `temperature` as in `token_logprobs`. With `keys` (group ids) and
-    `positions`, rows of a group that share a prompt run it once (`keelrl.policy.prefix`).
-    With `hidden_at` ([B, T] bool) the hidden states there come back too, as "hidden_at"
-    [n, H] in the order of `hidden_at.nonzero()` (row by row, left to right).
-    """
-    from keelrl.policy.prefix import micro_logprobs, plan_passes
-
-    batch, length = input_ids.shape
-    logp = torch.zeros(batch, length, dtype=torch.float32, device=input_ids.device)
-    values: Tensor | None = None
-    picked: list[tuple[Tensor, Tensor]] = []  # (flat index row * T + position, hidden [n, H])
-    for micro in plan_passes(input_ids, attention_mask, max_tokens, keys=keys, positions=positions):
-        rows, width = torch.tensor(micro.rows, device=input_ids.device), micro.width
-        ids, attended = input_ids[rows, :width], attention_mask[rows, :width]  # [b, t]
-        out = micro_logprobs(model, ids, attended, micro, with_hidden=value_fn is not None or hidden_at is not None,
-                             positions=None if positions is None else positions[rows, :width],
-                             temperature=temperature)
-        logp = logp.to(out["logp"].dtype)  # float64 weights give float64 log-probs
-        logp[rows, :width] = out["logp"]
-        if value_fn is not None:
-            group_values = value_fn(ids, attended, out["hidden"])  # [b, t]
-            if values is None:
-                values = group_values.new_zeros(batch, length)
-            values[rows, :width] = group_values
-        if hidden_at is not None:
-            where = hidden_at[rows, :width].nonzero(as_tuple=True)
-            picked.append((rows[where[0]] * length + where[1], out["hidden"][where]))
-    result = {"logp": logp}
-    if values is not None:
-        result["values"] = values
-    if hidden_at is not None:
-        flat = torch.cat([index for index, _ in picked]) if picked else input_ids.new_zeros(0)
-        hidden = torch.cat([h for _, h in picked]) if picked else logp.new_zeros(0, model.config.hidden_size)
-        result["hidden_at"] = hidden[flat.argsort()]
-    return result
 
 
 class ValueHead(nn.Module):

@@ -23,7 +23,7 @@ from the continuation pass, which starts one token before the first of them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -270,3 +270,52 @@ def micro_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor, micro:
     if micro.units is not None and can_share(model, micro.units):
         return prefix_token_logprobs(model, input_ids, attention_mask, micro.units, **options)
     return token_logprobs(model, input_ids, attention_mask, **options)
+
+
+@torch.no_grad()
+def chunked_token_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor, *, max_tokens: int,
+                           value_fn: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
+                           positions: Tensor | None = None, temperature: float = 1.0,
+                           keys: Sequence[int] | Tensor | None = None,
+                           hidden_at: Tensor | None = None) -> dict[str, Tensor]:
+    """input_ids, attention_mask [B, T] -> {"logp": [B, T], "values": [B, T]}, without gradients.
+
+    `token_logprobs` over groups of rows from `split_rows`, each cut to its own longest row,
+    so no forward pass sees more than `max_tokens` padded tokens (a row longer than that
+    runs alone). At padding positions the results are unspecified (0, or whatever the model
+    makes of pad tokens), as in one pass over the whole batch: mask them. With `value_fn`
+    (a critic: input_ids, attention_mask, hidden [b, t, H] -> values [b, t]) the values are
+    computed group by group too, so the [B, T, H] hidden states never exist at once.
+    `positions` and `temperature` as in `token_logprobs`. With `keys` (group ids) and
+    `positions`, rows of a group that share a prompt run it once (`plan_passes`).
+    With `hidden_at` ([B, T] bool) the hidden states there come back too, as "hidden_at"
+    [n, H] in the order of `hidden_at.nonzero()` (row by row, left to right).
+    """
+    batch, length = input_ids.shape
+    logp = torch.zeros(batch, length, dtype=torch.float32, device=input_ids.device)
+    values: Tensor | None = None
+    picked: list[tuple[Tensor, Tensor]] = []  # (flat index row * T + position, hidden [n, H])
+    for micro in plan_passes(input_ids, attention_mask, max_tokens, keys=keys, positions=positions):
+        rows, width = torch.tensor(micro.rows, device=input_ids.device), micro.width
+        ids, attended = input_ids[rows, :width], attention_mask[rows, :width]  # [b, t]
+        out = micro_logprobs(model, ids, attended, micro, with_hidden=value_fn is not None or hidden_at is not None,
+                             positions=None if positions is None else positions[rows, :width],
+                             temperature=temperature)
+        logp = logp.to(out["logp"].dtype)  # float64 weights give float64 log-probs
+        logp[rows, :width] = out["logp"]
+        if value_fn is not None:
+            group_values = value_fn(ids, attended, out["hidden"])  # [b, t]
+            if values is None:
+                values = group_values.new_zeros(batch, length)
+            values[rows, :width] = group_values
+        if hidden_at is not None:
+            where = hidden_at[rows, :width].nonzero(as_tuple=True)
+            picked.append((rows[where[0]] * length + where[1], out["hidden"][where]))
+    result = {"logp": logp}
+    if values is not None:
+        result["values"] = values
+    if hidden_at is not None:
+        flat = torch.cat([index for index, _ in picked]) if picked else input_ids.new_zeros(0)
+        hidden = torch.cat([h for _, h in picked]) if picked else logp.new_zeros(0, model.config.hidden_size)
+        result["hidden_at"] = hidden[flat.argsort()]
+    return result

@@ -6,7 +6,7 @@ The learner drives every engine the same way:
     for step in ...:
         rollouts = engine.batch(step)  # blocks until step's groups are all finished
         ...update...                   # learner version becomes `step`
-        engine.publish(state, step)    # new weights for the rollout side
+        engine.publish_model(model, step)  # new weights for the rollout side
 
 Versions and staleness: version v is the policy after v updates; step s trains version s-1
 into s. Its data are the groups of requests_for(s), and a trajectory's staleness is
@@ -41,7 +41,6 @@ from keelrl.rollout.scheduler import (ActFn, EpisodeScheduler, GroupRequest, Gro
                                       SchedulerStats, WeightSlot)
 from keelrl.rollout.trajectory import Trajectory
 
-ENGINES = ("sync", "async", "ray")
 
 RequestsFor = Callable[[int], list[GroupRequest]]
 """step -> that step's group requests (index, task, group size, seed); min_version is set by the engine."""
@@ -55,7 +54,7 @@ class StepRollouts:
     metrics: dict[str, float] = field(default_factory=dict)
     sampled_by_teacher: bool = False
     """The trajectories are a distillation teacher's samples, not the policy's (see
-    `Trainer.teacher_rollouts`): the learner distils on them and does not reinforce them."""
+    `keelrl.train.trainer.Trainer.teacher_rollouts`): the learner distils on them and does not reinforce them."""
 
 
 def staleness_metrics(step: int, trajectories: Sequence[Trajectory], max_staleness: int) -> dict[str, float]:
@@ -124,8 +123,18 @@ class RolloutEngine:
         """New learner weights (a state dict the engine may keep; pass a copy)."""
         self.version = version
 
+    def publish_model(self, model: Any, version: int) -> None:
+        """The learner's `model` now holds weights of `version`: `publish` a copy of its state
+        (an engine that runs on the learner's own weights takes the version alone)."""
+        self.publish({k: v.detach().clone() for k, v in model.state_dict().items()}, version)
+
     def batch(self, step: int) -> StepRollouts:
         raise NotImplementedError
+
+    def skip(self, step: int) -> None:
+        """Step `step` trains on data from elsewhere (a teacher's rollouts): its own batch is
+        made and dropped, so an engine generating ahead keeps its stream in step."""
+        self.batch(step)
 
     def more(self, step: int, requests: list[GroupRequest]) -> list[GroupResult]:
         """Extra groups for step `step` (dynamic sampling): run `requests` under step's staleness
@@ -180,6 +189,17 @@ class LocalEngine(RolloutEngine):
             self.weights.offer(state, version)
         else:
             self.weights.held = version
+
+    def publish_model(self, model: Any, version: int) -> None:
+        if self.asynchronous:
+            super().publish_model(model, version)
+        else:  # the learner's own weights
+            self.publish({}, version)
+
+    def skip(self, step: int) -> None:
+        if self.asynchronous:
+            super().skip(step)
+        # sync: nothing runs ahead, and step `step`'s requests are a function of the step alone
 
     # ---------------------------------------------------------------- rollouts
     def _loop(self) -> None:

@@ -13,7 +13,9 @@ Here each task has a difficulty level (0 = easiest) and a weight in [0, 1]:
   one outside it (always or never solved so far) keeps at least `probe_weight`;
 - the level rises when the mean success rate of the current level's measured tasks reaches
   `advance_at`, admitting the next level's tasks;
-- `finish()` sets every weight to 1 (the curriculum's last distribution is the plain one).
+- once the last level is mastered too (its mean measured success reaches `advance_at`),
+  `update` calls `finish()`, which sets every weight to 1: the curriculum's last distribution
+  is the plain one.
 
 A weight is only ever raised (each update takes the maximum of the old weight and the new
 target), which is the invariant the property tests check. Progress is measured on the fixed
@@ -27,28 +29,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Sequence
 
-
-@dataclass(frozen=True)
-class CurriculumConfig:
-    band: tuple[float, float] = (0.1, 0.9)
-    """Success rates counted as "sometimes solved" (inclusive)."""
-    probe_weight: float = 0.25
-    """Weight of an admitted task not (yet) in the band."""
-    advance_at: float = 0.6
-    """Mean success over the current level's measured tasks that admits the next level."""
-    min_attempts: int = 2
-    """Attempts before a task's rate counts as measured."""
-
-    def __post_init__(self) -> None:
-        low, high = self.band
-        if not 0.0 <= low <= high <= 1.0:
-            raise ValueError(f"curriculum band must satisfy 0 <= low <= high <= 1, got {self.band}")
-        if not 0.0 < self.probe_weight <= 1.0:
-            raise ValueError(f"curriculum probe_weight must be in (0, 1], got {self.probe_weight}")
-        if not 0.0 <= self.advance_at <= 1.0:
-            raise ValueError(f"curriculum advance_at must be in [0, 1], got {self.advance_at}")
-        if self.min_attempts < 1:
-            raise ValueError(f"curriculum min_attempts must be >= 1, got {self.min_attempts}")
+from keelrl.config import CurriculumSettings
 
 
 @dataclass
@@ -56,7 +37,8 @@ class Curriculum:
     """Weights over tasks 0..n-1 with the given difficulty levels (see the module docstring)."""
 
     levels: Sequence[int]
-    cfg: CurriculumConfig = field(default_factory=CurriculumConfig)
+    cfg: CurriculumSettings = field(default_factory=CurriculumSettings)
+    """The band, probe weight, advance threshold and attempts (`enabled` and `levels` are the trainer's)."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -83,18 +65,24 @@ class Curriculum:
         self.attempts[task] += 1
         self.successes[task] += int(success)
 
+    def _mastered(self) -> bool:
+        """Whether the current level's measured tasks' mean success reaches advance_at."""
+        rates = [r for t, level in enumerate(self.levels) if level == self.level
+                 for r in [self.rate(t)] if r is not None]
+        return bool(rates) and sum(rates) / len(rates) >= self.cfg.advance_at
+
     def update(self) -> None:
-        """Raise the level if the current one is mastered, then raise weights to their targets."""
-        while self.level < self.top:
-            rates = [r for t, level in enumerate(self.levels) if level == self.level
-                     for r in [self.rate(t)] if r is not None]
-            if not rates or sum(rates) / len(rates) < self.cfg.advance_at:
-                break
+        """Raise the level while the current one is mastered, then raise weights to their
+        targets; once the last level is mastered, `finish`."""
+        while self.level < self.top and self._mastered():
             self.level = min(level for level in self.levels if level > self.level)
+        if self.level == self.top and self._mastered():
+            self.finish()
+            return
         self._retarget()
 
     def _retarget(self) -> None:
-        low, high = self.cfg.band
+        low, high = self.cfg.band_low, self.cfg.band_high
         for task, level in enumerate(self.levels):
             if level > self.level:
                 continue
@@ -141,7 +129,7 @@ class Curriculum:
     def metrics(self) -> dict[str, float]:
         """curriculum/level, admitted share, band occupancy (admitted measured tasks in the band),
         the entropy of the normalised weights and the attempts recorded so far."""
-        low, high = self.cfg.band
+        low, high = self.cfg.band_low, self.cfg.band_high
         admitted = [t for t, w in enumerate(self.weights) if w > 0]
         measured = [r for t in admitted for r in [self.rate(t)] if r is not None]
         total = sum(self.weights)

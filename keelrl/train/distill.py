@@ -27,7 +27,8 @@ import torch
 from torch import Tensor
 
 from keelrl.config import DistillConfig
-from keelrl.policy.model import chunked_token_logprobs, load_policy, output_logits
+from keelrl.policy.model import load_policy, output_logits
+from keelrl.policy.prefix import chunked_token_logprobs
 from keelrl.policy.prefix import can_share, find_prefix_units, prefix_token_logprobs
 from keelrl.rollout.scheduler import prompt_tokens
 from keelrl.rollout.trajectory import Batch, Trajectory, collate

