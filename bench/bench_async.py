@@ -13,7 +13,7 @@ Two engines per latency, each in a fresh process, one after the other:
   the step's episodes (continuous batching over the episodes that are not waiting on a tool),
   then update;
 - async: `rollout.engine=ray` with one rollout worker pinned to core 1 and the learner pinned
-  to core 0 (`rollout.worker_cores=[1]`, `train.learner_cores=[0]`, one torch thread each),
+  to core 0 (`rollout.worker_cores=[1]`, `perf.learner_cores=[0]`, one torch thread each),
   `max_staleness` steps of lag allowed, episodes interruptible: the worker samples the next
   steps' episodes while the learner updates, and overlaps one step's tool waits with another
   step's generation.
@@ -90,7 +90,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         overrides += ["rollout.env_threads=32"]  # sleeping tools never queue for a thread
         if spec["engine"] == "async":
             overrides += ["rollout.engine=ray", "rollout.workers=1", "rollout.worker_cpus=1",
-                          "rollout.worker_cores=[1]", "train.learner_cores=[0]",
+                          "rollout.worker_cores=[1]", "perf.learner_cores=[0]",
                           f"rollout.max_staleness={spec['max_staleness']}", "rollout.interruptible=true"]
         os.environ.setdefault("RAY_TMPDIR", tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
         trainer = synthetic_trainer(overrides, spec["texts"], observation=spec["observation"], latency=latency,

@@ -99,9 +99,9 @@ def common_overrides(args: argparse.Namespace, model: str, run_dir: Path) -> lis
     return [f"model.path={model}", "device=cpu", f"run_dir={run_dir}", "seed=0",
             f"train.steps={args.steps}", f"rollout.tasks_per_step={args.tasks_per_step}",
             f"rollout.group_size={args.group}", f"train.minibatch_size={args.tasks_per_step * args.group}",
-            f"train.eval_tasks={args.eval_tasks}", "train.eval_every=1000", "train.eval_base=false",
+            f"eval.tasks={args.eval_tasks}", "eval.every=1000", "eval.base=false",
             "algo.kl_is_weight=true",
-            "train.checkpoint_every=1000", "rollout.env_threads=32", *(tiny if args.smoke else [])]
+            "output.checkpoint_every=1000", "rollout.env_threads=32", *(tiny if args.smoke else [])]
 
 
 def warm_start_once(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
@@ -141,10 +141,10 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
             return SlowToolsFactory(super().train_env_factory(), latency)
 
     overrides = [*common_overrides(args, spec["model"], Path(spec["run_dir"])), "warm_start.demos=0",
-                 "train.eval_before_rl=false"]
+                 "eval.before_rl=false"]
     if spec["engine"] == "async":
         overrides += ["rollout.engine=ray", "rollout.workers=1", "rollout.worker_cpus=1", "rollout.worker_cores=[1]",
-                      "train.learner_cores=[0]", f"rollout.max_staleness={args.max_staleness}"]
+                      "perf.learner_cores=[0]", f"rollout.max_staleness={args.max_staleness}"]
     rows: list[dict[str, Any]] = []
     trainer = SlowTrainer(load_config(None, overrides),
                           progress=lambda event, info: rows.append(info) if event == "step" else None)

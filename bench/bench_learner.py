@@ -1,6 +1,6 @@
 """Learner throughput: forward+backward of a policy on agent-shaped batches, by precision.
 
-Compares, interleaved in one run, float32 against bf16 autocast (`train.learner_precision`),
+Compares, interleaved in one run, float32 against bf16 autocast (`perf.learner_precision`),
 each with the vocabulary head over every position or only over the action tokens
 (`token_logprobs(positions=...)`). Prints tokens/s (padded tokens through the body per second)
 as medians over repetitions, and the machine load, so a busy machine shows as such.

@@ -1,4 +1,4 @@
-"""Learner passes by shared prompt (`train.share_prefix`) against plain passes, side by side.
+"""Learner passes by shared prompt (`perf.share_prefix`) against plain passes, side by side.
 
 A batch shaped like the default run's (groups of rows that share a prompt, each row's own
 short continuation scored) goes through the trainer's two kinds of pass, interleaved in one

@@ -15,7 +15,7 @@ the trainer runs `Trainer.rl_step`. From each step's metrics row:
 - step_s: `time/step_s`, the whole step: the engine's rollouts, then `rl_step`;
 - learn_s: `time/learn_s`, `rl_step` from collating the batch to the optimiser step: GRPO
   advantages, then forward+backward by shared prompt in micro-batches of at most
-  `train.micro_batch_tokens` tokens, gradient clipping and one AdamW step. No reference pass
+  `perf.micro_batch_tokens` tokens, gradient clipping and one AdamW step. No reference pass
   (no KL) and no separate no-grad proximal pass: with one update a step, the update's own
   pass gives the proximal log-probs (`AdvantageStage.prox_from_update`). Both are read off each
   point's trainer and recorded (`reference_pass`, `proximal_pass`), and the section says what
@@ -310,9 +310,9 @@ def run_point(args: argparse.Namespace, point: Point, texts: Sequence[str], obse
                     "kl_coef": cfg.algo.kl_coef, "reference_pass": trainer.reference is not None,
                     "proximal_pass": proximal_pass,
                     "engine": cfg.rollout.engine, "epochs": cfg.train.epochs,
-                    "minibatch_size": cfg.train.minibatch_size, "micro_batch_tokens": cfg.train.micro_batch_tokens,
-                    "share_prefix": cfg.train.share_prefix, "learner_precision": cfg.train.learner_precision,
-                    "lr": cfg.train.lr, "temperature": cfg.rollout.temperature}
+                    "minibatch_size": cfg.train.minibatch_size, "micro_batch_tokens": cfg.perf.micro_batch_tokens,
+                    "share_prefix": cfg.perf.share_prefix, "learner_precision": cfg.perf.learner_precision,
+                    "lr": cfg.optim.lr, "temperature": cfg.rollout.temperature}
         trainer.run()
     if len(log.rows) != steps:
         raise RuntimeError(f"{point}: the trainer reported {len(log.rows)} steps, not {steps}")

@@ -29,7 +29,7 @@ the ratio of medians).
 
 What differs by design, and is reported, not hidden: keelrl prefills a group's shared prompt
 once for its G completions and runs the learner's shared prompt once per group
-(`train.share_prefix`); TRL runs every row's prompt in full. keelrl also computes its
+(`perf.share_prefix`); TRL runs every row's prompt in full. keelrl also computes its
 behaviour log-probs while sampling. Neither side runs a reference model (beta = 0).
 """
 

@@ -24,7 +24,7 @@ tokens, `<|end|><|assistant|>`; every id is below the model's vocabulary): 8 dis
    group's rows; `micro_logprobs` with entropy; the `grpo` preset's `policy_objective` (old
    log-probs = the sampler's; advantages from uniform random rewards through keelrl's `grpo`
    estimator, normalised within each group); each micro-batch's loss scaled by
-   `micro_batch_scale`; then `clip_grad_norm_` at 1 and AdamW (lr 2e-5, TrainConfig's defaults).
+   `micro_batch_scale`; then `clip_grad_norm_` at 1 and AdamW (lr 2e-5, OptimConfig's defaults).
    One warm-up update first (kernel set-up, the optimizer's state), then `--learner-steps` timed
    updates on the same batch; `torch.cuda.synchronize()` before and after each update, never
    inside it. With `--gradient-checkpointing` (`enable_gradient_checkpointing`) every pass runs
@@ -91,7 +91,7 @@ from torch import Tensor
 from bench.common import Clock, Ratio, Section, arguments, machine, write_section
 from keelrl.algos import compute_advantages, outcome_to_token_rewards, policy_objective
 from keelrl.algos.config import AlgoConfig
-from keelrl.config import TrainConfig
+from keelrl.config import OptimConfig, PerfConfig
 from keelrl.policy.model import row_lengths
 from keelrl.policy.prefix import MicroBatch, can_share, micro_logprobs, plan_passes
 from keelrl.policy.sampling import Sample, SamplingConfig, draw_uniforms, sample
@@ -531,15 +531,15 @@ def run(args: argparse.Namespace) -> Section:
 
     # 2. learning
     algo = AlgoConfig(preset="grpo")
-    train = TrainConfig()
+    optim, perf = OptimConfig(), PerfConfig()
     batch = learner_batch(contexts, samples, size.group_size, algo, generator, device)
-    share_prefix = train.share_prefix and not args.gradient_checkpointing  # as `prefix_keys`
-    optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=train.weight_decay)
+    share_prefix = perf.share_prefix and not args.gradient_checkpointing  # as `prefix_keys`
+    optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay)
     model.train()
 
     def update() -> tuple[list[PassLayout], dict[str, float]]:
         return learner_update(model, optimizer, batch, algo, size.micro_batch_tokens, share_prefix=share_prefix,
-                              max_grad_norm=train.max_grad_norm)
+                              max_grad_norm=optim.max_grad_norm)
 
     log("learner: warm-up update")
     update()

@@ -142,10 +142,10 @@ def base_overrides(model: str, run_dir: str | Path, *, prompts: int, group: int,
     """The config of a synthetic GRPO run without KL (one update a step on the whole batch)."""
     return [
         f"model.path={model}", "device=cpu", f"run_dir={run_dir}", "algo.preset=grpo", "algo.kl_coef=0", "seed=0",
-        "warm_start.demos=0", "train.eval_base=false", "train.eval_before_rl=false",
-        f"train.steps={steps}", f"train.lr={lr}", "train.warmup_steps=0", "train.weight_decay=0",
-        "train.max_grad_norm=1.0", "train.epochs=1", f"train.minibatch_size={prompts * group}",
-        "train.learner_precision=float32", "rollout.temperature=1.0", "rollout.top_p=1.0",
+        "warm_start.demos=0", "eval.base=false", "eval.before_rl=false",
+        f"train.steps={steps}", f"optim.lr={lr}", "optim.warmup_steps=0", "optim.weight_decay=0",
+        "optim.max_grad_norm=1.0", "train.epochs=1", f"train.minibatch_size={prompts * group}",
+        "perf.learner_precision=float32", "rollout.temperature=1.0", "rollout.top_p=1.0",
         f"rollout.group_size={group}", f"rollout.tasks_per_step={prompts}", f"rollout.max_new_tokens={completion_tokens}",
         "rollout.max_context_tokens=1000000", f"env.max_turns={turns}",
     ]

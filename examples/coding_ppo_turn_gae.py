@@ -21,9 +21,9 @@ import keelrl
 from keelrl.runs import read_metrics
 
 SMOKE = ["warm_start.demos=4", "warm_start.epochs=1", "warm_start.batch_size=4",
-         "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=16", "train.eval_tasks=3",
-         "train.minibatch_size=4", "train.eval_base=false", "train.learner_precision=float32",
-         "train.eval_dtype=float32"]
+         "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=16", "eval.tasks=3",
+         "train.minibatch_size=4", "eval.base=false", "perf.learner_precision=float32",
+         "eval.dtype=float32"]
 """The test's size: the built-in tiny model, a handful of tasks, one step. It checks that the
 example runs end to end, not that it learns."""
 
@@ -42,8 +42,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                         "algo.gamma=1.0", "algo.lam=0.9",
                         "model.critic=head",    # value head on the policy's hidden states
                         "env.max_turns=3",
-                        "train.eval_tasks=60", f"train.eval_every={max(1, args.steps)}",
-                        "train.eval_base=false",
+                        "eval.tasks=60", f"eval.every={max(1, args.steps)}",
+                        "eval.base=false",
                         f"train.steps={args.steps}",
                         *(SMOKE if args.smoke else []))
     model = args.model or ("tiny" if args.smoke else "smollm2")

@@ -46,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
     results: dict[str, dict[str, float]] = {}
     for preset in args.presets:
         cfg = keelrl.configure(None, *base, f"algo.preset={preset}", "warm_start.demos=0",
-                            f"train.steps={args.steps}", f"train.eval_every={args.steps}")
+                            f"train.steps={args.steps}", f"eval.every={args.steps}")
         summary = keelrl.Trainer(cfg, model=warm, run_dir=out / preset).train()
         rows = read_metrics(out / preset)
         updated = [row for row in rows if row["step"] > 0 and "policy/clip_frac" in row]  # a step with an update

@@ -129,7 +129,7 @@ if "median_baseline" not in keelrl.ADVANTAGES:
 
 # ---------------------------------------------------------------------------------------- the run
 
-SMOKE = ["rollout.tasks_per_step=2", "rollout.group_size=2", "train.eval_tasks=4", "warm_start.demos=8",
+SMOKE = ["rollout.tasks_per_step=2", "rollout.group_size=2", "eval.tasks=4", "warm_start.demos=8",
          "warm_start.epochs=1", "train.minibatch_size=4"]
 """The test's size: a few tasks, one step (it checks that the example runs, not that it learns)."""
 
@@ -148,9 +148,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     cfg = keelrl.configure(None, *keelrl.TINY_RUN, "env.name=vowels", "env.max_turns=1",
                            "rollout.max_new_tokens=16", "rollout.engine=sync", "warm_start.demos=256",
-                           "warm_start.mistake_rate=0.2", "warm_start.epochs=3", "train.eval_tasks=100",
+                           "warm_start.mistake_rate=0.2", "warm_start.epochs=3", "eval.tasks=100",
                            "algo.preset=grpo", "algo.advantage=median_baseline", f"train.steps={args.steps}",
-                           f"train.eval_every={args.steps}", *(SMOKE if args.smoke else []))
+                           f"eval.every={args.steps}", *(SMOKE if args.smoke else []))
     summary = keelrl.Trainer(cfg, env=VOWELS_ENV, model=args.model, run_dir=args.out).train()
     rows = read_metrics(args.out)
     trained = [row for row in rows if "train/reward" in row]

@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {}
     for name, extra in variants.items():
         cfg = keelrl.configure(None, *base, *smoke, *extra, "warm_start.demos=0", f"train.steps={args.steps}",
-                               f"train.eval_every={args.steps}")
+                               f"eval.every={args.steps}")
         summary = keelrl.Trainer(cfg, model=models["student"], run_dir=out / name).train()
         rows = read_metrics(out / name)
         trained = [row for row in rows if "train/reward" in row]

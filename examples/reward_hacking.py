@@ -43,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
     every = max(1, args.steps // 5)
     for verifier in ("weak", "strong"):
         cfg = keelrl.configure(None, *base, f"env.verifier={verifier}", "warm_start.demos=0",
-                               f"train.steps={args.steps}", f"train.eval_every={every}")
+                               f"train.steps={args.steps}", f"eval.every={every}")
         summary = keelrl.Trainer(cfg, model=warm, run_dir=out / verifier).train()
         rows = read_metrics(out / verifier)
         trained = [row for row in rows if "train/reward" in row]

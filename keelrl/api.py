@@ -51,7 +51,7 @@ def _plain(value: Any) -> Any:
 
 
 def explain(section: str = "") -> str:
-    """Every config field under `section` ("" for all, "algo", "train.lr"...) with its default and help."""
+    """Every config field under `section` ("" for all, "algo", "optim.lr"...) with its default and help."""
     rows = [row for row in _explain_rows() if row[0] == section or row[0].startswith(section + ".") or not section]
     if not rows:
         raise ConfigError(section, "no such config field or section")

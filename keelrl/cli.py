@@ -201,7 +201,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from keelrl.monitor import plot_run
+    from keelrl.metrics import plot_run
     from keelrl.runs import read_metrics
 
     rows = read_metrics(args.run_dir)

@@ -34,10 +34,10 @@ TINY_RUN: tuple[str, ...] = (
     "model.path=tiny", "env.show_file=false", "env.max_turns=6", "env.partial_credit=true", "warm_start.demos=448",
     "warm_start.mistake_rate=0.3", "warm_start.epochs=6", "warm_start.lr=2e-3", "warm_start.batch_size=16",
     "rollout.tasks_per_step=8", "rollout.group_size=4", "rollout.max_new_tokens=80",
-    "rollout.max_context_tokens=2048", "rollout.engine=async", "train.steps=10", "train.lr=2e-4",
-    "train.warmup_steps=2", "train.minibatch_size=16", "train.eval_every=5", "train.eval_tasks=150",
-    "train.eval_base=false", "train.learner_precision=float32", "rollout.temperature=1.0",
-    "train.micro_batch_tokens=4096", "train.eval_dtype=float32",
+    "rollout.max_context_tokens=2048", "rollout.engine=async", "train.steps=10", "optim.lr=2e-4",
+    "optim.warmup_steps=2", "train.minibatch_size=16", "eval.every=5", "eval.tasks=150",
+    "eval.base=false", "perf.learner_precision=float32", "rollout.temperature=1.0",
+    "perf.micro_batch_tokens=4096", "eval.dtype=float32",
 )
 """The built-in tiny model's recipe (the default run before SmolLM2 became it): a random byte
 model that learns the multi-turn tool format from many demos at a high learning rate. The labs
@@ -174,7 +174,7 @@ class RolloutSettings:
     tokens. Caches made under older weights are dropped when new weights arrive."""
     worker_cores: list[int] = dataclasses.field(default_factory=list)
     """Ray: pin rollout worker i to CPU core worker_cores[i % len] with one torch thread (empty:
-    wherever the OS runs them). With train.learner_cores, rollouts and learner never share a core."""
+    wherever the OS runs them). With perf.learner_cores, rollouts and learner never share a core."""
 
     def __post_init__(self) -> None:
         _cores("worker_cores", self.worker_cores)
@@ -193,10 +193,25 @@ class RolloutSettings:
 
 @dataclasses.dataclass
 class TrainConfig:
-    """The RL optimisation loop."""
+    """The RL loop: how many steps, and how each step's rollouts are cut into updates."""
 
     steps: int = 10
     """RL steps (each: rollouts, then updates)."""
+    epochs: int = 1
+    """Passes over each batch of rollouts."""
+    minibatch_size: int = 32
+    """Trajectories per optimiser step."""
+
+    def __post_init__(self) -> None:
+        _positive(epochs=self.epochs, minibatch_size=self.minibatch_size)
+        if not 0 <= self.steps < math.inf:
+            raise ConfigError("steps", f"must be >= 0 (and finite), got {self.steps!r}")
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    """The RL phase's optimiser (AdamW) and its learning-rate schedule."""
+
     lr: float = 2e-5
     """AdamW learning rate of the RL phase (the default was picked on the default run:
     docs/history.md#what-it-took-to-get-there)."""
@@ -206,29 +221,49 @@ class TrainConfig:
     """Linear learning-rate warmup (then constant)."""
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm."""
-    epochs: int = 1
-    """Passes over each batch of rollouts."""
-    minibatch_size: int = 32
-    """Trajectories per optimiser step."""
-    eval_every: int = 10
+
+    def __post_init__(self) -> None:
+        _positive(lr=self.lr, max_grad_norm=self.max_grad_norm)
+        if not 0 <= self.warmup_steps < math.inf:
+            raise ConfigError("warmup_steps", f"must be >= 0 (and finite), got {self.warmup_steps!r}")
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    """Independent held-out evaluation, with the strong verifier, whatever the training verifier."""
+
+    every: int = 10
     """Independent held-out evaluation every this many steps (and at the end)."""
-    eval_tasks: int = 1000
+    tasks: int = 1000
     """Held-out tasks in each evaluation (never trained on; all of them when there are fewer:
     209 bundled)."""
-    eval_base: bool = True
+    base: bool = True
     """Also evaluate the model before the warm start (summary.json's heldout_base); no effect
     without a warm start."""
-    eval_before_rl: bool = True
+    before_rl: bool = True
     """Evaluate after the warm start, before RL (step 0; summary.json's heldout_warm_start and
     rl_lift need it). false: for runs whose start was evaluated elsewhere, as the distill lab's
     variants share one start."""
-    eval_dtype: str = "auto"
+    dtype: str = "auto"
     """Weights' dtype when evaluating: float32, bfloat16 (a copy of the current weights is cast
     for the evaluation; training and rollouts are unaffected) or auto (bf16 on a CPU with
     AMX-BF16, whose bf16 matrix units make greedy decoding faster than in float32; the policy's
     own dtype elsewhere). Measured: docs/measurements.md#evaluation-dtype."""
-    eval_temperature: float = 0.0
+    temperature: float = 0.0
     """0 = greedy evaluation."""
+
+    def __post_init__(self) -> None:
+        _positive(every=self.every, tasks=self.tasks)
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ConfigError("dtype", f"unknown dtype {self.dtype!r}; valid: auto, float32, bfloat16")
+        if not 0 <= self.temperature < math.inf:
+            raise ConfigError("temperature", f"must be >= 0 (and finite), got {self.temperature!r}")
+
+
+@dataclasses.dataclass
+class OutputConfig:
+    """What the run writes besides its metrics: checkpoints, readable samples, the viewer's episodes."""
+
     checkpoint_every: int = 5
     """Save a resumable checkpoint every this many steps."""
     sample_trajectories: int = 4
@@ -236,6 +271,18 @@ class TrainConfig:
     save_episodes: int = 64
     """Episodes per RL step written token by token to episodes/step_NNNN.jsonl, for `keel view`:
     each action token's advantage, log-prob, behaviour log-prob, ratio and clip (0: none)."""
+
+    def __post_init__(self) -> None:
+        _positive(checkpoint_every=self.checkpoint_every)
+        if not 0 <= self.save_episodes < math.inf:
+            raise ConfigError("save_episodes", f"must be >= 0 (and finite), got {self.save_episodes!r}")
+
+
+@dataclasses.dataclass
+class PerfConfig:
+    """How the learner runs: memory bound, precision, activation recomputation, shared prompts, cores.
+    None of these changes what an update computes beyond float rounding."""
+
     micro_batch_tokens: int = 2048
     """Memory bound of the learner (RL updates, no-grad log-prob passes and the warm start): no
     forward pass sees more than this many padded tokens (rows x longest row). Each minibatch
@@ -257,24 +304,29 @@ class TrainConfig:
     shared prompt against each row's own tokens (measured: docs/measurements.md#shared-prompts).
     Off under gradient_checkpointing. The micro_batch_tokens budget counts each shared prompt
     once."""
-
     learner_cores: list[int] = dataclasses.field(default_factory=list)
     """Pin the learner's process to these CPU cores, with as many torch threads (empty: no pinning).
     Ray workers started afterwards are pinned by rollout.worker_cores, not by this."""
 
     def __post_init__(self) -> None:
         _cores("learner_cores", self.learner_cores)
-        _positive(lr=self.lr, max_grad_norm=self.max_grad_norm, epochs=self.epochs,
-                  minibatch_size=self.minibatch_size, eval_every=self.eval_every, eval_tasks=self.eval_tasks,
-                  checkpoint_every=self.checkpoint_every, micro_batch_tokens=self.micro_batch_tokens)
-        if self.eval_dtype not in ("auto", "float32", "bfloat16"):
-            raise ConfigError("eval_dtype", f"unknown dtype {self.eval_dtype!r}; valid: auto, float32, bfloat16")
+        _positive(micro_batch_tokens=self.micro_batch_tokens)
         if self.learner_precision not in ("auto", "float32", "bfloat16"):
             raise ConfigError("learner_precision", f"unknown precision {self.learner_precision!r}; "
                                                    "valid: auto, float32, bfloat16")
-        for name in ("steps", "warmup_steps", "eval_temperature", "save_episodes"):
-            if not 0 <= getattr(self, name) < math.inf:
-                raise ConfigError(name, f"must be >= 0 (and finite), got {getattr(self, name)!r}")
+
+
+MOVED = {f"train.{old}": new for old, new in {
+    "lr": "optim.lr", "weight_decay": "optim.weight_decay", "warmup_steps": "optim.warmup_steps",
+    "max_grad_norm": "optim.max_grad_norm", "eval_every": "eval.every", "eval_tasks": "eval.tasks",
+    "eval_base": "eval.base", "eval_before_rl": "eval.before_rl", "eval_dtype": "eval.dtype",
+    "eval_temperature": "eval.temperature", "checkpoint_every": "output.checkpoint_every",
+    "sample_trajectories": "output.sample_trajectories", "save_episodes": "output.save_episodes",
+    "micro_batch_tokens": "perf.micro_batch_tokens", "learner_precision": "perf.learner_precision",
+    "gradient_checkpointing": "perf.gradient_checkpointing", "share_prefix": "perf.share_prefix",
+    "learner_cores": "perf.learner_cores"}.items()}
+"""The fields of the old `train` section that moved to the optim, eval, output and perf sections:
+a config that still names one fails saying where it went."""
 
 
 @dataclasses.dataclass
@@ -527,7 +579,15 @@ class KeelConfig:
     rollout: RolloutSettings = dataclasses.field(default_factory=RolloutSettings)
     """Rollout sampling."""
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
-    """The RL loop."""
+    """The RL loop: steps, epochs and minibatches."""
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    """The RL phase's optimiser and learning-rate schedule."""
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    """Held-out evaluation."""
+    output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
+    """Checkpoints, samples and episodes the run writes."""
+    perf: PerfConfig = dataclasses.field(default_factory=PerfConfig)
+    """How the learner runs (memory, precision, cores): the same updates either way."""
     warm_start: WarmStartConfig = dataclasses.field(default_factory=WarmStartConfig)
     """The supervised warm start before RL."""
     monitor: MonitorConfig = dataclasses.field(default_factory=MonitorConfig)
@@ -638,6 +698,10 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else str(key)
         if key not in names:
+            if path in MOVED:
+                raise ConfigError(path, f"{path} is now {MOVED[path]} (the train section keeps steps, epochs and "
+                                        f"minibatch_size; optimiser, evaluation, output and performance fields "
+                                        f"have their own sections)")
             nearest = _nearest_keys(cls, str(key), prefix)
             guess = f"did you mean {' or '.join(repr(k) for k in nearest)}? " if nearest else ""
             raise ConfigError(path, f"unknown key {path!r}; {guess}{cls.__name__} has: {', '.join(names)}")
@@ -651,8 +715,8 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
 def _nearest_keys(cls: type, key: str, prefix: str) -> list[str]:
     """Valid dotted keys closest to the unknown `key` of section `cls` (at `prefix`), for "did you mean".
 
-    First a field of the section itself (train.lr_rate -> train.lr); failing that, a field with a
-    close name deeper in the section (lr at the top level -> train.lr, warm_start.lr) or, for a
+    First a field of the section itself (train.lr_rate -> optim.lr); failing that, a field with a
+    close name deeper in the section (lr at the top level -> optim.lr, warm_start.lr) or, for a
     section of the run config, in another section (train.eps_high -> algo.eps_high).
     """
     join = (lambda name: f"{prefix}.{name}") if prefix else (lambda name: name)

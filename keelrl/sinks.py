@@ -1,6 +1,6 @@
 """Metric sinks: where each step's metrics row goes, behind one interface, registered by name.
 
-`MetricsLogger` (keelrl/monitor.py) builds the sinks `log.sinks` names and hands each the same
+`MetricsLogger` (keelrl/metrics.py) builds the sinks `log.sinks` names and hands each the same
 calls:
 
     sink = SINKS[name](context)    # run_dir, the LogConfig, the resolved config, resume info

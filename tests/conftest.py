@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import settings
 
+from keelrl.rollout.scheduler import EpisodeLimits
 from keelrl.policy.tiny import TinyModelSpec, build_tiny_model, save_tiny_default
 
 # Deterministic examples under CI (CI=true), fresh ones on a developer's machine.
@@ -48,3 +49,11 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def float64_model(vocab: int, seed: int = 0):
     """A FLOAT64-sized Qwen2 over `vocab` tokens (pad 0, end 1) with weights from `seed`, in float64."""
     return build_tiny_model(replace(FLOAT64, seed=seed), vocab, pad_token_id=0, eos_token_id=1).double()
+
+
+def limits(max_turns: int = 8, max_context_tokens: int = 3072, max_new_tokens: int = 160, env_threads: int = 4,
+           interruptible: bool = True, label_steps: bool = False) -> EpisodeLimits:
+    """Episode limits for tests that run the scheduler, engines or agent loop directly: every value
+    explicit (the library's EpisodeLimits has no defaults; a run's come from its config)."""
+    return EpisodeLimits(max_turns=max_turns, max_context_tokens=max_context_tokens, max_new_tokens=max_new_tokens,
+                         env_threads=env_threads, interruptible=interruptible, label_steps=label_steps)

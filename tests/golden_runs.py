@@ -28,10 +28,10 @@ GOLDEN_DIR = Path(__file__).parent / "golden"
 SMALL = TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, max_positions=2048)
 TEACHER = TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, max_positions=2048, seed=1)
 
-COMMON = ("rollout.engine=sync", "train.steps=3", "train.eval_every=2", "train.eval_tasks=4",
-          "train.eval_base=true", "warm_start.demos=8", "warm_start.epochs=2", "warm_start.batch_size=4",
+COMMON = ("rollout.engine=sync", "train.steps=3", "eval.every=2", "eval.tasks=4",
+          "eval.base=true", "warm_start.demos=8", "warm_start.epochs=2", "warm_start.batch_size=4",
           "rollout.tasks_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=24", "env.max_turns=3",
-          "train.sample_trajectories=1", "train.save_episodes=8", "seed=3")
+          "output.sample_trajectories=1", "output.save_episodes=8", "seed=3")
 """Every variant: a few synchronous steps of 2 tasks x 4 attempts, with a warm start and
 evaluations before it, after it and after RL."""
 
@@ -51,9 +51,9 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     # A critic (value head), two epochs of two minibatches with micro-batches, a frozen reference
     # with its KL, a curriculum and a learning-rate warmup. (Not dynamic sampling: the tiny model's
     # rewards are equal within every group, so it would keep none.)
-    "ppo_critic": ("algo.preset=ppo", "train.epochs=2", "train.minibatch_size=4", "train.micro_batch_tokens=512",
+    "ppo_critic": ("algo.preset=ppo", "train.epochs=2", "train.minibatch_size=4", "perf.micro_batch_tokens=512",
                    "algo.kl_coef=0.05",
-                   "curriculum.enabled=true", "train.warmup_steps=2"),
+                   "curriculum.enabled=true", "optim.warmup_steps=2"),
 }
 
 EXCLUDED_PREFIXES = ("time/", "memory/", "engine/")

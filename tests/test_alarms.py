@@ -127,7 +127,7 @@ def test_a_run_stops_on_its_alarm_and_writes_samples_around_it(tiny_model_dir, t
     run_dir = tmp_path_factory.mktemp("run")
     cfg = load_config(overrides=[*TINY_RUN, 
         f"run_dir={run_dir}", f"model.path={tiny_model_dir}", "rollout.engine=sync", "train.steps=4",
-        "monitor.is_weight_max=1e-6", "monitor.stop_on=[importance_weight]", "train.eval_tasks=2",
+        "monitor.is_weight_max=1e-6", "monitor.stop_on=[importance_weight]", "eval.tasks=2",
         "warm_start.demos=4", "warm_start.epochs=1", "rollout.tasks_per_step=2", "rollout.group_size=2",
         "rollout.max_new_tokens=16", "env.max_turns=2", "train.minibatch_size=4"])
     summary = Trainer(cfg).run()

@@ -18,7 +18,7 @@ from keelrl.config import KeelConfig, load_config
 from keelrl.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
-FAST = [*FAST_RUN, "train.eval_tasks=3", "train.minibatch_size=4", "train.eval_base=false", "rollout.engine=sync"]
+FAST = [*FAST_RUN, "eval.tasks=3", "train.minibatch_size=4", "eval.base=false", "rollout.engine=sync"]
 
 
 def test_import_keelrl_is_light_and_names_resolve():
@@ -35,9 +35,9 @@ def test_configure_from_nothing_a_file_a_mapping_or_a_config(tmp_path):
     assert keelrl.configure() == load_config()
     path = tmp_path / "run.yaml"
     path.write_text("train:\n  steps: 3\nalgo:\n  preset: dapo\n")
-    from_file = keelrl.configure(path, "train.lr=1e-4")
-    assert (from_file.train.steps, from_file.algo.preset, from_file.train.lr) == (3, "dapo", 1e-4)
-    from_mapping = keelrl.configure({"train": {"steps": 3}, "algo": {"preset": "dapo"}}, "train.lr=1e-4")
+    from_file = keelrl.configure(path, "optim.lr=1e-4")
+    assert (from_file.train.steps, from_file.algo.preset, from_file.optim.lr) == (3, "dapo", 1e-4)
+    from_mapping = keelrl.configure({"train": {"steps": 3}, "algo": {"preset": "dapo"}}, "optim.lr=1e-4")
     assert from_mapping == from_file
     again = keelrl.configure(from_file, "train.steps=5")
     assert again.train.steps == 5 and again.algo.preset == "dapo" and from_file.train.steps == 3
@@ -45,8 +45,8 @@ def test_configure_from_nothing_a_file_a_mapping_or_a_config(tmp_path):
 
 
 def test_configure_names_the_bad_field_before_any_work():
-    with pytest.raises(ConfigError, match=r"train\.lr"):
-        keelrl.configure(None, "train.lr=-1")
+    with pytest.raises(ConfigError, match=r"optim\.lr"):
+        keelrl.configure(None, "optim.lr=-1")
     with pytest.raises(ConfigError, match="algo.clpi"):
         keelrl.configure({"algo": {"clpi": "ppo"}})
     with pytest.raises(ConfigError, match="a YAML path, a mapping or a KeelConfig"):
@@ -54,8 +54,8 @@ def test_configure_names_the_bad_field_before_any_work():
 
 
 def test_explain_is_the_field_docstrings():
-    text = keelrl.explain("train.save_episodes")
-    assert text.startswith("train.save_episodes = 64") and "keel view" in text
+    text = keelrl.explain("output.save_episodes")
+    assert text.startswith("output.save_episodes = 64") and "keel view" in text
     section = keelrl.explain("rollout")
     names = [line.split(" = ")[0] for line in section.splitlines() if not line.startswith(" ")]
     assert "rollout.group_size" in names and all(name.startswith("rollout.") for name in names)

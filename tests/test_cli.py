@@ -117,8 +117,8 @@ def test_overrides_may_follow_options(monkeypatch):
         return 0
 
     monkeypatch.setattr(cli, "_cmd_lab", fake_lab)
-    assert main(["lab", "credit", "a.b=1", "--out", "/tmp/x", "train.lr=1e-3", "--quick", "c=2"]) == 0
-    assert seen == {"out": "/tmp/x", "overrides": ["a.b=1", "train.lr=1e-3", "c=2"], "quick": True}
+    assert main(["lab", "credit", "a.b=1", "--out", "/tmp/x", "optim.lr=1e-3", "--quick", "c=2"]) == 0
+    assert seen == {"out": "/tmp/x", "overrides": ["a.b=1", "optim.lr=1e-3", "c=2"], "quick": True}
     with pytest.raises(SystemExit):  # a stray word is still an error, not silently dropped
         main(["lab", "credit", "--out", "/tmp/x", "notanoverride"])
 

@@ -17,13 +17,13 @@ import pytest
 from conftest import FAST_RUN
 
 from keelrl.config import TINY_RUN, LogConfig
-from keelrl.monitor import MetricsLogger
+from keelrl.metrics import MetricsLogger
 from keelrl.runs import truncate_jsonl
 from keelrl.runs import CheckpointError, atomic_write_text, latest_checkpoint, save_checkpoint
 
 KEEL = str(Path(sys.executable).parent / "keel")
-RUN = [*TINY_RUN, *FAST_RUN, "rollout.engine=sync", "train.steps=6", "train.checkpoint_every=1", "train.eval_every=3",
-       "train.eval_tasks=3", "train.minibatch_size=2", "train.sample_trajectories=1"]
+RUN = [*TINY_RUN, *FAST_RUN, "rollout.engine=sync", "train.steps=6", "output.checkpoint_every=1", "eval.every=3",
+       "eval.tasks=3", "train.minibatch_size=2", "output.sample_trajectories=1"]
 
 
 # ------------------------------------------------------------------ the pieces

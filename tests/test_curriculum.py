@@ -108,9 +108,9 @@ def test_a_run_draws_only_admitted_tasks_logs_the_curriculum_and_resumes_it(tiny
     from keelrl.config import TINY_RUN, load_config
     from keelrl.train.trainer import Trainer, load_task_splits
 
-    base = [*TINY_RUN, f"model.path={tiny_model_dir}", "rollout.engine=sync", "train.eval_every=3",
-            "train.eval_tasks=2", "warm_start.demos=4", "rollout.tasks_per_step=3", "rollout.group_size=2",
-            "rollout.max_new_tokens=16", "env.max_turns=2", "train.steps=3", "train.checkpoint_every=1",
+    base = [*TINY_RUN, f"model.path={tiny_model_dir}", "rollout.engine=sync", "eval.every=3",
+            "eval.tasks=2", "warm_start.demos=4", "rollout.tasks_per_step=3", "rollout.group_size=2",
+            "rollout.max_new_tokens=16", "env.max_turns=2", "train.steps=3", "output.checkpoint_every=1",
             "curriculum.enabled=true", "curriculum.min_attempts=1"]
     train_tasks, _ = load_task_splits(load_config(overrides=base))
     kinds = sorted({task.kind for task in train_tasks})

@@ -79,8 +79,8 @@ def test_cores_that_the_machine_lacks_or_repeats_fail_at_config_time_naming_the_
     from keelrl.errors import ConfigError
 
     count = os.cpu_count() or 1
-    with pytest.raises(ConfigError, match=rf"train.learner_cores.*no such CPU core {count}"):
-        load_config(overrides=[f"train.learner_cores=[{count}]"])
+    with pytest.raises(ConfigError, match=rf"perf.learner_cores.*no such CPU core {count}"):
+        load_config(overrides=[f"perf.learner_cores=[{count}]"])
     with pytest.raises(ConfigError, match=r"rollout.worker_cores.*listed twice"):
         load_config(overrides=["rollout.worker_cores=[0, 0]"])
     assert load_config(overrides=["rollout.worker_cores=[0]"]).rollout.worker_cores == [0]

@@ -78,9 +78,9 @@ def test_trainer_with_dapo_fills_with_extra_groups(tiny_model_dir, tmp_path_fact
     run_dir = tmp_path_factory.mktemp("run")
     cfg = load_config(overrides=[*TINY_RUN, 
         f"run_dir={run_dir}", f"model.path={tiny_model_dir}", "algo.preset=dapo", f"rollout.engine={engine}",
-        "rollout.dynamic_max_extra_groups=3", "train.steps=2", "train.eval_tasks=2", "train.eval_every=10",
+        "rollout.dynamic_max_extra_groups=3", "train.steps=2", "eval.tasks=2", "eval.every=10",
         "warm_start.demos=4", "warm_start.epochs=1", "rollout.tasks_per_step=2", "rollout.group_size=3",
-        "rollout.max_new_tokens=16", "env.max_turns=2", "train.minibatch_size=6", "train.sample_trajectories=0"])
+        "rollout.max_new_tokens=16", "env.max_turns=2", "train.minibatch_size=6", "output.sample_trajectories=0"])
     Trainer(cfg).run()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
     for row in rows:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from conftest import FAST_RUN
+from conftest import FAST_RUN, limits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,7 +20,7 @@ from keelrl.errors import ConfigError
 from keelrl.policy.model import load_policy
 from keelrl.policy.sampling import SamplingConfig
 from keelrl.rollout.engines import LocalEngine, staleness_metrics
-from keelrl.rollout.scheduler import GroupRequest, RolloutConfig
+from keelrl.rollout.scheduler import GroupRequest
 from keelrl.train.trainer import Trainer
 
 
@@ -104,7 +104,7 @@ def test_staleness_never_exceeds_the_bound_and_every_request_arrives_once(seed, 
         model.weight.fill_(0)
     engine = LocalEngine(requests_for, model=model, tokenizer=ByteTokenizer(),
                          make_env=lambda: LatencyEnv(lambda t, k: latencies[(t, k)], lambda t: turns[t]),
-                         sampling=SamplingConfig(), rollout=RolloutConfig(max_turns=4, env_threads=8,
+                         sampling=SamplingConfig(), rollout=limits(max_turns=4, env_threads=8,
                                                                           interruptible=interruptible),
                          asynchronous=True, max_staleness=max_staleness, act_for=versions_actor)
     results = run_fake_learner(engine, steps, learn_seconds, model)
@@ -141,7 +141,7 @@ def test_staleness_metrics_count_trajectories_and_tokens_per_lag():
     assert m["rollout/token_share_lag_2"] == pytest.approx(2 / 6)
 
 
-FAST = [*FAST_RUN, "train.eval_tasks=2", "train.eval_every=10", "train.minibatch_size=2", "train.sample_trajectories=0",
+FAST = [*FAST_RUN, "eval.tasks=2", "eval.every=10", "train.minibatch_size=2", "output.sample_trajectories=0",
         "train.steps=3"]
 
 
@@ -189,7 +189,7 @@ def test_behaviour_logprobs_equal_a_recompute_under_the_weights_that_sampled_the
     engine = LocalEngine(requests_for, model=model, tokenizer=tokenizer,
                          make_env=lambda: CodingEnv(max_turns=3, use_git=False),
                          sampling=SamplingConfig(temperature=1.0, max_new_tokens=12),
-                         rollout=RolloutConfig(max_turns=3, env_threads=4), asynchronous=True, max_staleness=1)
+                         rollout=limits(max_turns=3, env_threads=4), asynchronous=True, max_staleness=1)
     states = {0: {k: v.clone() for k, v in model.state_dict().items()}}
     engine.start(0)
     engine.publish(states[0], 0)
@@ -304,7 +304,7 @@ def test_async_engine_never_samples_past_the_last_step(max_staleness):
     model = torch.nn.Linear(1, 1)
     engine = LocalEngine(requests_for, model=model, tokenizer=ByteTokenizer(),
                          make_env=lambda: LatencyEnv(lambda t, k: 0.0, lambda t: 1),
-                         sampling=SamplingConfig(), rollout=RolloutConfig(max_turns=2),
+                         sampling=SamplingConfig(), rollout=limits(max_turns=2),
                          asynchronous=True, max_staleness=max_staleness, act_for=versions_actor)
     engine.last_step = 3
     results = run_fake_learner(engine, 3, [0.0, 0.0, 0.0], model)

@@ -232,7 +232,7 @@ def test_a_user_env_spec_trains_through_the_trainer(tiny_model_dir, tmp_path):
     cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}",
                                  "env.name=say", "env.max_turns=1", "warm_start.demos=8", "warm_start.epochs=1",
                                  "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=12",
-                                 "train.steps=2", "train.eval_tasks=2", "train.eval_every=2", "rollout.engine=sync"])
+                                 "train.steps=2", "eval.tasks=2", "eval.every=2", "rollout.engine=sync"])
     trainer = Trainer(cfg, env=say_spec())
     assert trainer.env_spec.name == "say" and trainer._answer_tools == ("say",)
     assert {t.id for t in trainer.train_tasks} | {t.id for t in trainer.heldout_tasks} == {t.id for t in WORDS}

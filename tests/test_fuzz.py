@@ -31,6 +31,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import limits
 from keelrl.config import KeelConfig, load_config
 from keelrl.envs.base import CheckResult, Grade, VerifierError
 from keelrl.envs.coding import CODING_TOOLS, CodingEnv
@@ -41,7 +42,7 @@ from keelrl.errors import ConfigError
 from keelrl.policy.chat import ChatTemplateError
 from keelrl.policy.model import NotCausalLMError, load_policy
 from keelrl.policy.tiny import TinyModelSpec, build_tiny_tokenizer, save_tiny_default
-from keelrl.rollout.agent_loop import RolloutConfig, run_episodes, scripted_actor
+from keelrl.rollout.agent_loop import run_episodes, scripted_actor
 from task_fixtures import retry_task
 
 FAST, SLOW = 200, 10_000
@@ -492,10 +493,10 @@ def test_fuzz_an_unknown_key_is_an_error_naming_it_and_the_nearest_valid_key(exa
 
 
 @pytest.mark.parametrize("override, key, nearest", [
-    ("train.lr_rate=1e-4", "train.lr_rate", "'train.lr'"),
-    ("lr=1e-4", "lr", "'train.lr' or 'warm_start.lr' or 'prm.lr'"),
+    ("train.lr_rate=1e-4", "train.lr_rate", "'optim.lr' or 'warm_start.lr' or 'prm.lr'"),
+    ("lr=1e-4", "lr", "'optim.lr' or 'warm_start.lr' or 'prm.lr'"),
     ("train.eps_high=0.3", "train.eps_high", "'algo.eps_high'"),
-    ("trian.lr=1e-4", "trian", "'train'"),
+    ("trian.steps=3", "trian", "'train'"),
     ("env.max_turn=3", "env.max_turn", "'env.max_turns'"),
 ])
 def test_unknown_keys_suggest_the_nearest_valid_key(override, key, nearest):
@@ -508,8 +509,8 @@ def test_unknown_keys_suggest_the_nearest_valid_key(override, key, nearest):
 @pytest.mark.parametrize("override, key", [
     ("seed=" + "1" * 5000, "seed"),  # yaml raised ValueError: more than 4300 digits
     ("run_dir=" + "[" * 3000 + "]" * 3000, "run_dir"),  # yaml raised RecursionError
-    ("train.lr=.nan", "train.lr"), ("monitor.entropy_floor=.nan", "monitor.entropy_floor"),
-    ("train.lr=.inf", "train.lr"), ("train.eval_temperature=-1", "train.eval_temperature"),
+    ("optim.lr=.nan", "optim.lr"), ("monitor.entropy_floor=.nan", "monitor.entropy_floor"),
+    ("optim.lr=.inf", "optim.lr"), ("eval.temperature=-1", "eval.temperature"),
     ("warm_start.mistake_rate=2", "warm_start.mistake_rate"),
 ])
 def test_values_no_check_caught_before_are_errors_naming_their_key(override, key):
@@ -559,7 +560,7 @@ def run_batch(tokenizer: Any, tasks: list[str]) -> list[Any]:
     ScriptedFailures.closed = []
     policies = [lambda prompt, turns: "<call>submit</call>"] * len(tasks)
     return run_episodes(ScriptedFailures, tasks, tokenizer, scripted_actor(tokenizer, policies),
-                        RolloutConfig(max_turns=5, max_context_tokens=4096, max_new_tokens=32, env_threads=2))
+                        limits(max_turns=5, max_context_tokens=4096, max_new_tokens=32, env_threads=2))
 
 
 def test_an_env_that_raises_ends_its_episode_with_the_error_and_the_batch_completes(byte_tokenizer):
@@ -618,7 +619,7 @@ def test_a_grade_that_raises_stops_the_run(byte_tokenizer):
     with pytest.raises(VerifierError, match="cannot start"):
         run_episodes(BrokenVerifier, ["ok"], byte_tokenizer,
                      scripted_actor(byte_tokenizer, [lambda prompt, turns: "<call>submit</call>"]),
-                     RolloutConfig(max_turns=5, max_context_tokens=4096, max_new_tokens=32))
+                     limits(max_turns=5, max_context_tokens=4096, max_new_tokens=32))
 
 
 # ============================================================== (e) models and tokenizers

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import limits
 from keelrl.policy.sampling import RowCache, SamplingConfig, draw_uniforms, sample
 from keelrl.policy.tiny import TinyModelSpec, build_tiny_model, build_tiny_tokenizer
 
@@ -80,14 +81,13 @@ def test_keep_kv_rollouts_equal_plain_rollouts_and_prefill_less(tmp_path):
     from keelrl.policy.model import load_policy
     from keelrl.policy.tiny import save_tiny_default
     from keelrl.rollout.agent_loop import run_episodes, model_actor
-    from keelrl.rollout.scheduler import RolloutConfig
 
     model_dir = save_tiny_default(tmp_path / "m", TinyModelSpec(layers=2, hidden=32, heads=4, kv_heads=2,
                                                                intermediate=48, max_positions=1024, seed=1))
     model, tokenizer = load_policy(str(model_dir), "cpu")
     model = model.double().eval()
     tasks = guess_tasks(6, n=20, seed=0)
-    rollout = RolloutConfig(max_turns=4, max_context_tokens=1000, max_new_tokens=12, env_threads=2)
+    rollout = limits(max_turns=4, max_context_tokens=1000, max_new_tokens=12, env_threads=2)
     runs = {}
     for keep in (False, True):
         cfg = SamplingConfig(temperature=1.0, max_new_tokens=12, keep_kv=keep)

@@ -31,8 +31,8 @@ def test_user_overrides_win_over_every_lab_default(tmp_path):
 
     for name in LABS:
         for quick in (False, True):
-            cfg = load_config(overrides=lab_settings(name, ["rollout.tasks_per_step=3", "train.lr=7e-4"], quick))
-            assert (cfg.rollout.tasks_per_step, cfg.train.lr) == (3, 7e-4), (name, quick)
+            cfg = load_config(overrides=lab_settings(name, ["rollout.tasks_per_step=3", "optim.lr=7e-4"], quick))
+            assert (cfg.rollout.tasks_per_step, cfg.optim.lr) == (3, 7e-4), (name, quick)
     assert load_config(overrides=lab_settings("reward-hacking")).env.name == "guess"
     assert load_config(overrides=lab_settings("reward-hacking", quick=True)).env.max_turns == 5
 

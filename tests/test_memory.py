@@ -107,7 +107,7 @@ def test_micro_batched_gradients_equal_one_pass_for_every_aggregation_mode(ratio
         want_grads = torch.autograd.grad(loss + algo.value_coef * vloss, params)
         # Micro-batches of at most 40 padded tokens, longest first: 30 | 30 | 23 | 15,11 | 7.
         learner = SimpleNamespace(cfg=SimpleNamespace(algo=algo, distill=DistillConfig(),
-                                                  train=SimpleNamespace(micro_batch_tokens=40, share_prefix=False,
+                                                  perf=SimpleNamespace(micro_batch_tokens=40, share_prefix=False,
                                                                         gradient_checkpointing=False),
                                                   rollout=SimpleNamespace(temperature=1.0)),
                                   model=model, value_head=critic, autocast=contextlib.nullcontext, loss_teacher=None)
@@ -130,7 +130,7 @@ def test_a_row_longer_than_the_budget_runs_alone():
     algo = algo_config("token_mean", "token")
     rows = torch.arange(len(LENGTHS))
     learner = SimpleNamespace(cfg=SimpleNamespace(algo=algo, distill=DistillConfig(),
-                                                  train=SimpleNamespace(micro_batch_tokens=5, share_prefix=False,
+                                                  perf=SimpleNamespace(micro_batch_tokens=5, share_prefix=False,
                                                                         gradient_checkpointing=False),
                                                   rollout=SimpleNamespace(temperature=1.0)),
                               model=model, value_head=None, autocast=contextlib.nullcontext, loss_teacher=None)
@@ -218,8 +218,8 @@ def test_a_step_logs_memory_and_micro_batches(tiny_model_dir, tmp_path):
 
     cfg = load_config(overrides=[*TINY_RUN, 
         f"run_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}", "env.name=guess", "env.max_turns=6",
-        "train.micro_batch_tokens=64", "train.gradient_checkpointing=true", "train.minibatch_size=4",
-        "warm_start.demos=2", "warm_start.epochs=1", "warm_start.batch_size=2", "train.sample_trajectories=0"])
+        "perf.micro_batch_tokens=64", "perf.gradient_checkpointing=true", "train.minibatch_size=4",
+        "warm_start.demos=2", "warm_start.epochs=1", "warm_start.batch_size=2", "output.sample_trajectories=0"])
     trainer = Trainer(cfg)
     assert trainer.warm_start()["warm_start/demos"] == 2  # micro-batched too (rows of > 64 tokens)
     # Scripted episodes stand in for sampled ones: the update, not the sampling, is under test.
@@ -227,13 +227,13 @@ def test_a_step_logs_memory_and_micro_batches(tiny_model_dir, tmp_path):
     tasks = trainer.train_tasks[:4]
     trajectories = run_episodes(trainer._env(training=True), tasks, trainer.tokenizer,
                                 scripted_actor(trainer.tokenizer, [teacher.policy(task) for task in tasks]),
-                                trainer._rollout_cfg(1))
+                                trainer._limits())
     row = trainer.rl_step(1, StepRollouts(trajectories, {}))
     assert row["train/updates"] == 1 and row["train/micro_batches"] == 4  # 4 rows of > 64 tokens: one each
     assert row["memory/peak_rss_gb"] >= row["memory/rss_gb"] > 0
     with pytest.raises(ConfigError) as info:
-        load_config(overrides=["train.micro_batch_tokens=0"])
-    assert info.value.field == "train.micro_batch_tokens"
+        load_config(overrides=["perf.micro_batch_tokens=0"])
+    assert info.value.field == "perf.micro_batch_tokens"
 
 
 def test_logprobs_at_chosen_positions_equal_the_full_pass_there_and_give_the_same_gradients():

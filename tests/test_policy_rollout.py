@@ -7,13 +7,14 @@ import copy
 import pytest
 import torch
 
+from conftest import limits
 from keelrl.envs.coding import CodingEnv
 from keelrl.envs.teacher import ScriptedTeacher
 from keelrl.policy.model import ValueHead, load_policy, token_logprobs
 from keelrl.policy.chat import ChatFormat, ChatTemplateError
 from keelrl.policy.sampling import SamplingConfig, end_token_ids, sample
 from keelrl.policy.tiny import build_tiny_tokenizer
-from keelrl.rollout.agent_loop import RolloutConfig, model_actor, run_episodes, scripted_actor
+from keelrl.rollout.agent_loop import model_actor, run_episodes, scripted_actor
 from keelrl.rollout.scheduler import observation_tokens, prompt_tokens
 from keelrl.rollout.trajectory import Trajectory, collate
 from task_fixtures import retry_task
@@ -247,13 +248,13 @@ def test_an_episode_that_would_outgrow_the_context_ends_with_context_limit_untru
     teacher = ScriptedTeacher(success_rate=1.0, mistake_rate=0.0, seed=0)
     prompt_length = len(prompt_tokens(tokenizer, CodingEnv().reset(task)))
     limit = prompt_length + 200
-    cfg = RolloutConfig(max_turns=8, max_context_tokens=limit, max_new_tokens=40)
+    cfg = limits(max_turns=8, max_context_tokens=limit, max_new_tokens=40)
     [trajectory] = run_episodes(lambda: CodingEnv(), [task], tokenizer,
                                 scripted_actor(tokenizer, [teacher.policy(task)]), cfg)
     assert trajectory.termination == "context_limit"
     assert len(trajectory.token_ids) + 40 <= limit + 1000  # ended by the check, not cut anywhere
     assert len(trajectory.token_ids) == len(trajectory.action_mask) == len(trajectory.behaviour_logprobs)
-    too_small = RolloutConfig(max_context_tokens=prompt_length + 10, max_new_tokens=40)
+    too_small = limits(max_context_tokens=prompt_length + 10, max_new_tokens=40)
     [unstarted] = run_episodes(lambda: CodingEnv(), [task], tokenizer,
                                scripted_actor(tokenizer, [teacher.policy(task)]), too_small)
     assert unstarted.termination == "context_limit" and unstarted.actions == []
@@ -270,7 +271,7 @@ def test_agent_loop_keeps_generated_token_ids_without_retokenising(tiny):
 
     task = retry_task()
     [trajectory] = run_episodes(lambda: CodingEnv(max_turns=2, use_git=False), [task], tokenizer, act,
-                                RolloutConfig(max_turns=2), version=7)
+                                limits(max_turns=2), version=7)
     ids, mask = trajectory.token_ids, trajectory.action_mask
     action_positions = [i for i, m in enumerate(mask) if m]
     assert len(action_positions) == 2 * len(raw)
@@ -287,12 +288,12 @@ def test_teacher_demonstrations_and_model_rollouts_collate_into_aligned_tensors(
     task = retry_task()
     teacher = ScriptedTeacher(success_rate=1.0, mistake_rate=1.0, seed=0)
     demos = run_episodes(lambda: CodingEnv(max_turns=8), [task, task], tokenizer,
-                         scripted_actor(tokenizer, [teacher.policy(task), teacher.policy(task)]), RolloutConfig())
+                         scripted_actor(tokenizer, [teacher.policy(task), teacher.policy(task)]), limits())
     assert all(d.success and d.reward == 1.0 for d in demos)
     assert "FAIL test_none" in demos[0].observations[2]  # the lecture's mistake, then recovery
     rollouts = run_episodes(lambda: CodingEnv(max_turns=2, use_git=False), [task] * 3, tokenizer,
                             model_actor(model, tokenizer, SamplingConfig(max_new_tokens=8)),
-                            RolloutConfig(max_turns=2), group_ids=[5, 5, 5], seed=1)
+                            limits(max_turns=2), group_ids=[5, 5, 5], seed=1)
     batch = collate(demos + rollouts, tokenizer.pad_token_id)
     for row, trajectory in enumerate(demos + rollouts):
         n = len(trajectory.token_ids)
@@ -339,7 +340,7 @@ def test_rejected_actions_are_counted_per_trajectory(tiny):
     script = ["<call>guess 0</call>", "<call>guess 3</call>", "no call at all", "<call>guess 9</call>"]
     [trajectory] = run_episodes(lambda: GuessEnv(max_turns=4), [GuessTask("g", secret=9, n=16)], tokenizer,
                                 scripted_actor(tokenizer, [lambda prompt, turns: script[len(turns)]]),
-                                RolloutConfig(max_turns=4))
+                                limits(max_turns=4))
     assert trajectory.action_errors == 2 and len(trajectory.actions) == 4 and trajectory.success
 
 
@@ -376,4 +377,4 @@ def test_a_sampler_longer_than_the_rollouts_reserve_is_refused(tiny):
     with pytest.raises(ValueError, match="max_new_tokens=40 is more than the 16 tokens"):
         run_episodes(lambda: CodingEnv(), [teacher_task], tokenizer,
                      model_actor(model, tokenizer, SamplingConfig(max_new_tokens=40)),
-                     RolloutConfig(max_turns=1, max_new_tokens=16))
+                     limits(max_turns=1, max_new_tokens=16))

@@ -193,7 +193,7 @@ def test_accumulated_update_by_shared_prefix_equals_the_plain_one():
     for share in (False, True):
         learner = SimpleNamespace(cfg=SimpleNamespace(algo=algo, distill=DistillConfig(),
                                                       rollout=SimpleNamespace(temperature=1.0),
-                                                      train=SimpleNamespace(micro_batch_tokens=40, share_prefix=share,
+                                                      perf=SimpleNamespace(micro_batch_tokens=40, share_prefix=share,
                                                                             gradient_checkpointing=False)),
                                   model=model.train(), value_head=None, autocast=contextlib.nullcontext,
                                   loss_teacher=None)
@@ -211,7 +211,7 @@ def test_accumulated_update_by_shared_prefix_equals_the_plain_one():
 
 
 def test_the_trainer_runs_its_passes_by_shared_prompt_and_updates_as_without(tiny_model_dir, tmp_path, monkeypatch):
-    """One RL step of a real (tiny) run with train.share_prefix on and off: the same rollouts,
+    """One RL step of a real (tiny) run with perf.share_prefix on and off: the same rollouts,
     the same update up to float32 rounding; the shared run really took the shared path."""
     calls = {"n": 0}
     original = prefix_module.prefix_token_logprobs
@@ -225,10 +225,10 @@ def test_the_trainer_runs_its_passes_by_shared_prompt_and_updates_as_without(tin
     for share in (False, True):
         run_dir = tmp_path / f"share-{share}"
         cfg = load_config(overrides=[*TINY_RUN, f"run_dir={run_dir}", f"model.path={tiny_model_dir}",
-                                     "rollout.engine=sync", "train.steps=1", "train.eval_every=1", "train.eval_tasks=2",
+                                     "rollout.engine=sync", "train.steps=1", "eval.every=1", "eval.tasks=2",
                                      "warm_start.demos=4", "rollout.tasks_per_step=2", "rollout.group_size=3",
                                      "rollout.max_new_tokens=16", "env.max_turns=2", "algo.preset=grpo",
-                                     f"train.share_prefix={str(share).lower()}"])
+                                     f"perf.share_prefix={str(share).lower()}"])
         before = calls["n"]
         trainer = Trainer(cfg)
         trainer.run()

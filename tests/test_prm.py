@@ -12,14 +12,14 @@ import json
 
 import pytest
 import torch
-from conftest import float64_model
+from conftest import float64_model, limits
 
 from keelrl.config import TINY_RUN, load_config
 from keelrl.envs.coding import CodingEnv
 from keelrl.errors import ConfigError
 from keelrl.policy.model import load_policy
 from keelrl.policy.prefix import chunked_token_logprobs
-from keelrl.rollout.agent_loop import RolloutConfig, run_episodes, scripted_actor
+from keelrl.rollout.agent_loop import run_episodes, scripted_actor
 from keelrl.rollout.scheduler import step_labels
 from keelrl.rollout.trajectory import Batch, collate
 from keelrl.sandbox import Sandbox
@@ -57,7 +57,7 @@ def test_rollouts_label_each_code_changing_turn_by_its_hidden_check_delta(tiny_m
     ]
     policies = [lambda prompt, turns, s=script: s[len(turns)] if len(turns) < len(s) else "<call>submit</call>"
                 for script in scripts]
-    cfg = RolloutConfig(max_turns=5, label_steps=True, max_new_tokens=64, max_context_tokens=4096)
+    cfg = limits(max_turns=5, label_steps=True, max_new_tokens=64, max_context_tokens=4096)
     read_only, malformed = -1, 0
     first, second = run_episodes(lambda: CodingEnv(verifier), [task, task], tokenizer,
                                  scripted_actor(tokenizer, policies), cfg)
@@ -68,7 +68,7 @@ def test_rollouts_label_each_code_changing_turn_by_its_hidden_check_delta(tiny_m
     assert second.step_labels == [malformed, 0, 1, read_only]
     # Without label_steps nothing is graded mid-episode and no labels are made.
     [plain] = run_episodes(lambda: CodingEnv(verifier), [task], tokenizer, scripted_actor(tokenizer, policies[:1]),
-                           RolloutConfig(max_turns=5, max_new_tokens=64, max_context_tokens=4096))
+                           limits(max_turns=5, max_new_tokens=64, max_context_tokens=4096))
     assert plain.step_labels == [] and plain.step_passes == []
     # collate puts each label at its turn's last action token.
     batch = collate([first, second], tokenizer.pad_token_id)
@@ -175,9 +175,9 @@ def test_bad_prm_settings_are_named():
 def test_a_run_trains_the_scorer_uses_it_and_resumes_it(tiny_model_dir, tmp_path):
     from keelrl.train.trainer import Trainer
 
-    base = [*TINY_RUN, f"model.path={tiny_model_dir}", "rollout.engine=sync", "train.eval_every=2", "train.eval_tasks=3",
+    base = [*TINY_RUN, f"model.path={tiny_model_dir}", "rollout.engine=sync", "eval.every=2", "eval.tasks=3",
             "warm_start.demos=4", "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=16",
-            "env.max_turns=2", "train.steps=2", "train.checkpoint_every=1", "prm.enabled=true", "prm.weight=0.5"]
+            "env.max_turns=2", "train.steps=2", "output.checkpoint_every=1", "prm.enabled=true", "prm.weight=0.5"]
     run = tmp_path / "full"
     trainer = Trainer(load_config(overrides=[*base, f"run_dir={run}"]))
     trainer.run()
@@ -195,7 +195,7 @@ def test_a_run_trains_the_scorer_uses_it_and_resumes_it(tiny_model_dir, tmp_path
 
     trajectories = run_episodes(trainer._env(training=True), trainer.train_tasks[:3], trainer.tokenizer,
                                 model_actor(trainer.model, trainer.tokenizer, SamplingConfig(1.0, 1.0, 16)),
-                                trainer._rollout_cfg(2), seed=5, group_ids=[0, 0, 1])
+                                trainer._limits(), seed=5, group_ids=[0, 0, 1])
     batch = collate(trajectories, trainer.pad_id)
     where, _ = labelled_turns(batch)
     assert int(where.sum()) >= 3

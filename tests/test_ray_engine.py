@@ -11,12 +11,13 @@ import types
 import pytest
 import ray
 
+from conftest import limits
 from keelrl.config import TINY_RUN, load_config
 from keelrl.envs.coding_tasks import bundled_tasks
 from keelrl.policy.model import load_policy
 from keelrl.policy.sampling import SamplingConfig
 from keelrl.rollout.ray_engine import RayEngine, init_local_ray
-from keelrl.rollout.scheduler import GroupRequest, GroupResult, RolloutConfig, SchedulerStats
+from keelrl.rollout.scheduler import GroupRequest, GroupResult, SchedulerStats
 from keelrl.envs.coding import CodingEnvFactory
 from keelrl.train.trainer import Trainer
 
@@ -33,9 +34,9 @@ def cluster(tmp_path_factory):
 def test_ray_engine_trains_the_tiny_model(cluster, tiny_model_dir, tmp_path):
     cfg = load_config(overrides=[*TINY_RUN, 
         f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", "rollout.engine=ray", "rollout.workers=2",
-        "rollout.max_staleness=1", "train.steps=3", "train.eval_tasks=2", "train.eval_every=10",
+        "rollout.max_staleness=1", "train.steps=3", "eval.tasks=2", "eval.every=10",
         "warm_start.demos=4", "warm_start.epochs=1", "rollout.tasks_per_step=2", "rollout.group_size=2",
-        "rollout.max_new_tokens=16", "env.max_turns=2", "train.minibatch_size=2", "train.sample_trajectories=0"])
+        "rollout.max_new_tokens=16", "env.max_turns=2", "train.minibatch_size=2", "output.sample_trajectories=0"])
     trainer = Trainer(cfg)
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     summary = trainer.run()
@@ -59,7 +60,7 @@ def test_a_killed_worker_is_replaced_and_its_episodes_requeued(cluster, tiny_mod
     state = {k: v.clone() for k, v in model.state_dict().items()}
     engine = RayEngine(requests_for, model_path=str(tiny_model_dir), tokenizer=tokenizer,
                        make_env=CodingEnvFactory("strong", max_turns=2), sampling=SamplingConfig(max_new_tokens=12),
-                       rollout=RolloutConfig(max_turns=2, env_threads=2), max_staleness=1, workers=2)
+                       rollout=limits(max_turns=2, env_threads=2), max_staleness=1, workers=2)
     try:
         engine.start(0)
         engine.publish(state, 0)
@@ -92,7 +93,7 @@ def test_workers_are_pinned_to_their_cores_with_one_torch_thread(cluster, tiny_m
     model, tokenizer = load_policy(str(tiny_model_dir), "cpu")
     engine = RayEngine(lambda step: [], model_path=str(tiny_model_dir), tokenizer=tokenizer,
                        make_env=CodingEnvFactory("strong", max_turns=1), sampling=SamplingConfig(max_new_tokens=4),
-                       rollout=RolloutConfig(max_turns=1, env_threads=1), workers=2, worker_cores=(1,),
+                       rollout=limits(max_turns=1, env_threads=1), workers=2, worker_cores=(1,),
                        worker_cpus=0.5)
     try:
         placements = [ray.get(actor.placement.remote(), timeout=600) for actor in engine.actors]
@@ -192,7 +193,7 @@ def _fake_engine(model_dir, modes, **options):
     fake = FakeRay(modes)
     requests = [GroupRequest(index=i, task=None, group_size=1, seed=i) for i in range(4)]
     engine = RayEngine(lambda step: requests, model_path=str(model_dir), tokenizer=None, make_env=lambda: None,
-                       sampling=SamplingConfig(), rollout=RolloutConfig(), workers=2, poll_interval=1.0,
+                       sampling=SamplingConfig(), rollout=limits(), workers=2, poll_interval=1.0,
                        ray_module=fake, clock=lambda: fake.now, sleep=fake.sleep, **options)
     return fake, engine, requests
 

@@ -242,7 +242,7 @@ def test_the_tiny_model_trains_on_a_dataset_end_to_end(tiny_model_dir, tmp_path)
     cfg = load_config(overrides=[*TINY_RUN, *RG, f"run_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}",
                                  "env.max_turns=2", "warm_start.demos=8", "warm_start.epochs=1",
                                  "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=32",
-                                 "train.steps=2", "train.eval_tasks=4", "train.eval_every=2", "rollout.engine=sync"])
+                                 "train.steps=2", "eval.tasks=4", "eval.every=2", "rollout.engine=sync"])
     trainer = Recording(cfg)
     trainer.seen = []
     assert trainer._answer_tools == ("answer",)

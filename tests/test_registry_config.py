@@ -233,3 +233,14 @@ def test_default_and_tiny_yaml_spell_out_the_default_run_and_the_tiny_recipe():
     assert to_dict(load_config(REPO / "configs" / "default.yaml")) == to_dict(load_config())
     assert to_dict(load_config(REPO / "configs" / "tiny.yaml")) == to_dict(load_config(overrides=list(TINY_RUN)))
     assert load_config().model.path == "smollm2"
+
+
+def test_a_field_moved_out_of_the_train_section_says_where_it_went():
+    for old, new in (("train.lr", "optim.lr"), ("train.eval_every", "eval.every"),
+                     ("train.save_episodes", "output.save_episodes"), ("train.micro_batch_tokens", "perf.micro_batch_tokens")):
+        with pytest.raises(ConfigError) as info:
+            load_config(overrides=[f"{old}=1"])
+        assert info.value.field == old and f"is now {new}" in str(info.value)
+        assert load_config(overrides=[f"{new}=3"]) is not None
+    cfg = load_config(overrides=["optim.lr=0.5", "eval.every=2", "perf.share_prefix=false", "train.epochs=2"])
+    assert (cfg.optim.lr, cfg.eval.every, cfg.perf.share_prefix, cfg.train.epochs) == (0.5, 2, False, 2)

@@ -16,11 +16,11 @@ from conftest import FAST_RUN
 from keelrl.components import check
 from keelrl.config import TINY_RUN, LogConfig, load_config
 from keelrl.errors import ConfigError
-from keelrl.monitor import MetricsLogger
+from keelrl.metrics import MetricsLogger
 from keelrl.runs import read_metrics
 from keelrl.sinks import SINKS, check_sinks, flat_params, mlflow_metric_name, wandb_init_mode
 
-CONFIG = {"algo": {"preset": "grpo", "eps_high": 0.28}, "train": {"lr": 1e-5, "learner_cores": [0, 1]},
+CONFIG = {"algo": {"preset": "grpo", "eps_high": 0.28}, "optim": {"lr": 1e-5}, "perf": {"learner_cores": [0, 1]},
           "env": {"tasks": "x" * 7000}}
 ROWS = [  # step -> metrics as the trainer hands them over: NaN, a flag, a string and a list mixed in
     {"train/reward": 0.25, "policy/entropy": float("nan"), "alarm/ok": True, "note": "warm", "count": 3,
@@ -91,7 +91,7 @@ def test_mlflow_names_and_params():
     assert mlflow_metric_name("a:b//c/") == "a_b/_/c/_" and mlflow_metric_name("../x") == "__/x"
     params = flat_params(CONFIG, limit=20)
     assert params["algo.preset"] == "grpo" and params["algo.eps_high"] == "0.28"
-    assert params["train.learner_cores"] == "[0, 1]" and params["env.tasks"] == "x" * 17 + "..."
+    assert params["perf.learner_cores"] == "[0, 1]" and params["env.tasks"] == "x" * 17 + "..."
 
 
 # ------------------------------------------------------------------ W&B offline
@@ -175,7 +175,7 @@ def test_wandb_offline_holds_the_numeric_metrics_at_their_steps_and_resume_conti
 
     run = _wandb_run(first)
     assert run["id"] == run_id
-    assert run["config"]["algo"] == CONFIG["algo"] and run["config"]["train"] == CONFIG["train"]
+    assert run["config"]["algo"] == CONFIG["algo"] and run["config"]["perf"] == CONFIG["perf"]
     # None (NaN, inf), booleans, strings and lists never reach W&B; ints stay ints
     assert run["history"] == {0: {"train/reward": 0.25, "count": 3, "eval/success@k": 0.5},
                               1: {"train/reward": 0.5, "policy/entropy": 1.25, "count": 4, "eval/success@k": 0.75},
@@ -226,7 +226,7 @@ def test_mlflow_file_store_holds_params_and_metrics_and_resume_reopens_the_run(t
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == "run"  # the run directory's name
     assert client.get_experiment(run.info.experiment_id).name == "keel-test"
-    assert run.data.params["algo.preset"] == "grpo" and run.data.params["train.learner_cores"] == "[0, 1]"
+    assert run.data.params["algo.preset"] == "grpo" and run.data.params["perf.learner_cores"] == "[0, 1]"
     assert len(run.data.params["env.tasks"]) == MAX_PARAM_VAL_LENGTH and run.data.params["env.tasks"].endswith("...")
     assert _history(client, run_id, "train/reward") == [(0, 0.25), (1, 0.5), (2, 0.75)]
     assert _history(client, run_id, "policy/entropy") == [(1, 1.25)]  # NaN and inf skipped
@@ -239,7 +239,7 @@ def test_mlflow_file_store_holds_params_and_metrics_and_resume_reopens_the_run(t
     # Resume from the step-1 checkpoint with a changed learning rate: the same run, step 2 kept
     # from the first attempt, the change recorded; Ctrl-C ends it KILLED.
     with pytest.raises(KeyboardInterrupt):
-        with MetricsLogger(run_dir, settings, config={**CONFIG, "train": {**CONFIG["train"], "lr": 2e-5}},
+        with MetricsLogger(run_dir, settings, config={**CONFIG, "optim": {**CONFIG["optim"], "lr": 2e-5}},
                            resume_after=1) as logger:
             for step in (2, 3):
                 logger.log(step, {"train/reward": step / 10})
@@ -248,8 +248,8 @@ def test_mlflow_file_store_holds_params_and_metrics_and_resume_reopens_the_run(t
     run = client.get_run(run_id)
     assert run.info.status == "KILLED" and len(client.search_runs([run.info.experiment_id])) == 1
     assert _history(client, run_id, "train/reward") == [(0, 0.25), (1, 0.5), (2, 0.75), (3, 0.3)]
-    assert run.data.tags["keelrl.resumed_at_step_1"] == "train.lr: 1e-05 -> 2e-05"
-    assert run.data.params["train.lr"] == "1e-05"  # params are the run's start; MLflow cannot change them
+    assert run.data.tags["keelrl.resumed_at_step_1"] == "optim.lr: 1e-05 -> 2e-05"
+    assert run.data.params["optim.lr"] == "1e-05"  # params are the run's start; MLflow cannot change them
 
 
 def test_mlflow_added_at_a_resume_gets_the_earlier_steps_from_metrics_jsonl_and_names_stay_distinct(tmp_path, mlflow_file_store):
@@ -274,7 +274,7 @@ def test_a_tiny_training_run_logs_to_mlflow_what_metrics_jsonl_holds(tiny_model_
     run_dir = tmp_path / "run"
     cfg = load_config(overrides=[
         *TINY_RUN, *FAST_RUN, f"run_dir={run_dir}", f"model.path={tiny_model_dir}", "train.steps=2",
-        "train.eval_every=2", "train.eval_tasks=3", "train.minibatch_size=2", "train.sample_trajectories=1",
+        "eval.every=2", "eval.tasks=3", "train.minibatch_size=2", "output.sample_trajectories=1",
         "log.sinks=[jsonl,tensorboard,mlflow]"])
     summary = Trainer(cfg).run()
     rows = read_metrics(run_dir)

@@ -28,8 +28,8 @@ def test_smollm2_loads_with_its_chat_format_and_pad_equal_to_its_end_token():
 
 def test_two_rl_steps_on_smollm2(tmp_path):
     cfg = load_config(overrides=[
-        f"run_dir={tmp_path}", "model.path=smollm2", "device=cpu", "train.steps=2", "train.eval_tasks=4",
-        "train.eval_every=2", "warm_start.demos=8", "rollout.tasks_per_step=2", "rollout.group_size=2",
+        f"run_dir={tmp_path}", "model.path=smollm2", "device=cpu", "train.steps=2", "eval.tasks=4",
+        "eval.every=2", "warm_start.demos=8", "rollout.tasks_per_step=2", "rollout.group_size=2",
         "rollout.engine=sync", "train.minibatch_size=4"])
     summary = Trainer(cfg).run()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -62,7 +62,7 @@ def learner(model, batch: Batch, distill: DistillConfig, teacher_model=None, bud
     algo = AlgoConfig(preset="grpo", kl_coef=0.0, entropy_coef=0.0, kl_in_reward=False)
     namespace = SimpleNamespace(
         cfg=SimpleNamespace(algo=algo, distill=distill, rollout=SimpleNamespace(temperature=1.0),
-                            train=SimpleNamespace(micro_batch_tokens=budget, share_prefix=False,
+                            perf=SimpleNamespace(micro_batch_tokens=budget, share_prefix=False,
                                                   gradient_checkpointing=False)),
         model=model.train(), value_head=None, autocast=contextlib.nullcontext, loss_teacher=None, view=None)
     if teacher_model is not None:
@@ -173,7 +173,7 @@ def test_distill_settings_are_checked_before_any_work():
 
 FAST = [*TINY_RUN, *FAST_RUN,
         "warm_start.epochs=6", "warm_start.batch_size=16",  # TINY_RUN's warm start, not FAST_RUN's single epoch
-        "rollout.engine=sync", "train.steps=1", "train.eval_every=1", "train.eval_tasks=2", "algo.preset=grpo"]
+        "rollout.engine=sync", "train.steps=1", "eval.every=1", "eval.tasks=2", "algo.preset=grpo"]
 
 
 def test_on_policy_advantage_term_is_minus_coef_times_the_sampled_reverse_kl(tiny_model_dir, tmp_path):
@@ -188,7 +188,7 @@ def test_on_policy_advantage_term_is_minus_coef_times_the_sampled_reverse_kl(tin
             p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
     trajectories = run_episodes(trainer._env(training=True), trainer.train_tasks[:2], trainer.tokenizer,
                                 model_actor(trainer.model, trainer.tokenizer, SamplingConfig(1.0, 1.0, 16)),
-                                trainer._rollout_cfg(2), seed=5)
+                                trainer._limits(), seed=5)
     batch = collate(trajectories, trainer.pad_id)
     view = trainer.teacher.view(batch, trajectories, trainer.pad_id)
     estimated = trainer.advantages(batch, view)
@@ -213,7 +213,7 @@ def test_the_self_teacher_reads_the_reference_fix_and_scores_the_students_tokens
     tasks = trainer.train_tasks[:2]
     trajectories = run_episodes(trainer._env(training=True), tasks, trainer.tokenizer,
                                 model_actor(trainer.model, trainer.tokenizer, SamplingConfig(1.0, 1.0, 16)),
-                                trainer._rollout_cfg(2), seed=5)
+                                trainer._limits(), seed=5)
     batch = collate(trajectories, trainer.pad_id)
     view = trainer.teacher.view(batch, trajectories, trainer.pad_id)
     got = trainer.teacher.logprobs(view, batch.action_mask, None)

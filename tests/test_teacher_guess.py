@@ -300,7 +300,7 @@ def test_trainer_runs_on_the_guessing_game(tiny_model_dir, tmp_path):
     cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}",
                                  "env.name=guess", "env.max_turns=5", "warm_start.demos=16", "warm_start.epochs=1",
                                  "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=12",
-                                 "train.steps=2", "train.eval_tasks=4", "rollout.engine=sync"])
+                                 "train.steps=2", "eval.tasks=4", "rollout.engine=sync"])
     trainer = Trainer(cfg)
     assert all(task.id.startswith("guess-16-") for task in trainer.train_tasks + trainer.heldout_tasks)
     assert not {t.id for t in trainer.train_tasks} & {t.id for t in trainer.heldout_tasks}

@@ -15,7 +15,7 @@ from keelrl.config import TINY_RUN, load_config
 from keelrl.runs import latest_checkpoint
 from keelrl.train.trainer import Trainer
 
-FAST = [*FAST_RUN, "train.eval_tasks=3", "train.eval_every=2", "train.minibatch_size=2", "train.sample_trajectories=1"]
+FAST = [*FAST_RUN, "eval.tasks=3", "eval.every=2", "train.minibatch_size=2", "output.sample_trajectories=1"]
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -25,7 +25,7 @@ def metrics(run_dir: Path) -> list[dict]:
 def test_keel_train_cli_smoke_writes_every_output(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     exe = Path(sys.executable).parent / "keel"
-    result = subprocess.run([str(exe), "train", *TINY_RUN, "train.eval_base=true", f"run_dir={run_dir}",
+    result = subprocess.run([str(exe), "train", *TINY_RUN, "eval.base=true", f"run_dir={run_dir}",
                              f"model.path={tiny_model_dir}", "train.steps=2",
                              *FAST], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -75,7 +75,7 @@ def test_presets_train_a_model_given_by_path(tiny_model_dir, tmp_path, preset, c
 
 def test_a_resumed_run_repeats_the_uninterrupted_one(tiny_model_dir, tmp_path):
     # Exact repetition needs the sync engine: under async, which turn sees which weights is timing.
-    overrides = [*TINY_RUN, f"model.path={tiny_model_dir}", "rollout.engine=sync", "train.steps=4", "train.checkpoint_every=2", "train.eval_every=4", *FAST]
+    overrides = [*TINY_RUN, f"model.path={tiny_model_dir}", "rollout.engine=sync", "train.steps=4", "output.checkpoint_every=2", "eval.every=4", *FAST]
     full = tmp_path / "full"
     Trainer(load_config(overrides=[f"run_dir={full}", *overrides])).run()
     part = tmp_path / "part"
@@ -95,7 +95,7 @@ def test_bad_config_fails_before_any_work(tmp_path):
     from keelrl.errors import ConfigError
 
     for override, field in (("rollout.group_size=0", "rollout.group_size"), ("env.verifier=strict", "env.verifier"),
-                            ("train.lr=-1", "train.lr"), ("rollout.top_p=1.5", "rollout.top_p")):
+                            ("optim.lr=-1", "optim.lr"), ("rollout.top_p=1.5", "rollout.top_p")):
         with pytest.raises(ConfigError) as info:
             check(load_config(overrides=[f"run_dir={tmp_path}", override]))
         assert info.value.field == field
@@ -144,7 +144,7 @@ def test_the_kl_reference_is_the_policy_as_rl_starts(tiny_model_dir, tmp_path):
 def test_evaluation_in_bf16_uses_a_cast_copy_of_the_current_weights(tiny_model_dir, tmp_path):
     import torch
 
-    cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", "train.eval_dtype=bfloat16",
+    cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", "eval.dtype=bfloat16",
                                  *FAST])
     trainer = Trainer(cfg)
     first = trainer.evaluate()
@@ -157,8 +157,8 @@ def test_evaluation_in_bf16_uses_a_cast_copy_of_the_current_weights(tiny_model_d
     assert copy is not None and copy.dtype == torch.bfloat16
     for (name, p), (_, q) in zip(trainer.model.named_parameters(), copy.named_parameters()):
         assert torch.equal(q, p.detach().to(torch.bfloat16)), name
-    with pytest.raises(Exception, match="eval_dtype"):
-        load_config(overrides=["train.eval_dtype=fp8"])
+    with pytest.raises(Exception, match="eval.dtype"):
+        load_config(overrides=["eval.dtype=fp8"])
 
 
 def test_fresh_rollouts_arrive_with_importance_weight_one_at_any_temperature(tiny_model_dir, tmp_path):
@@ -183,7 +183,7 @@ def test_one_update_a_step_takes_its_proximal_logprobs_from_the_update_and_chang
     from keelrl.train.advantage import AdvantageStage
 
     overrides = [*TINY_RUN, f"model.path={tiny_model_dir}", "train.steps=1", "rollout.engine=sync", *FAST,
-                 "train.minibatch_size=4", "train.eval_every=5"]
+                 "train.minibatch_size=4", "eval.every=5"]
     passes = []
     real = advantage_module.chunked_token_logprobs
     monkeypatch.setattr(advantage_module, "chunked_token_logprobs",
@@ -280,7 +280,7 @@ def test_a_run_told_its_start_was_evaluated_elsewhere_skips_the_step_0_evaluatio
     run_dir = tmp_path / "run"
     summary = Trainer(load_config(overrides=[*TINY_RUN, *FAST, f"run_dir={run_dir}", f"model.path={tiny_model_dir}",
                                              "train.steps=2", "warm_start.demos=0",
-                                             "train.eval_before_rl=false"])).run()
+                                             "eval.before_rl=false"])).run()
     assert calls == [1]  # the evaluation after step 2 only (the step counter moves after it)
     rows = metrics(run_dir)
     assert [row["step"] for row in rows] == [1, 2] and "eval/success" in rows[1]

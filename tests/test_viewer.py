@@ -24,7 +24,7 @@ from keelrl.train.trainer import Trainer
 from keelrl.viewer import ViewError, collect_run, render_html, serve, write_report
 
 EPS = 0.001
-RUN = [*FAST_RUN, "train.eval_tasks=3", "train.eval_every=3", "train.sample_trajectories=1", "train.steps=3",
+RUN = [*FAST_RUN, "eval.tasks=3", "eval.every=3", "output.sample_trajectories=1", "train.steps=3",
        "rollout.engine=sync",
        # reinforce: each token's advantage is its episode's reward (checked below; the tiny model's
        # groups often tie, so a group baseline would leave every advantage 0); two minibatches a
@@ -74,8 +74,8 @@ def test_a_fresh_run_forgets_an_earlier_runs_episodes_and_keeps_at_most_save_epi
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy)
     (copy / "episodes" / "step_0099.jsonl").write_text("{}\n")
-    cfg = load_config(copy / "config.yaml", [f"run_dir={copy}", "train.steps=1", "train.eval_base=false",
-                                             "train.save_episodes=3"])
+    cfg = load_config(copy / "config.yaml", [f"run_dir={copy}", "train.steps=1", "eval.base=false",
+                                             "output.save_episodes=3"])
     Trainer(cfg).run()
     episodes = read_episodes(copy)
     assert sorted(episodes) == [1] and len(episodes[1]) == 3
@@ -85,7 +85,7 @@ def test_save_episodes_must_not_be_negative():
     from keelrl.errors import ConfigError
 
     with pytest.raises(ConfigError, match="save_episodes"):
-        load_config(None, ["train.save_episodes=-1"])
+        load_config(None, ["output.save_episodes=-1"])
 
 
 # ---------------------------------------------------------------------------------- the page

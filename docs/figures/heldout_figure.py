@@ -3,7 +3,7 @@
 
     python docs/figures/heldout_figure.py runs/default/summary.json [--base OTHER/summary.json]
 
---base takes the base model's figure from another run (one made with train.eval_base=false has none).
+--base takes the base model's figure from another run (one made with eval.base=false has none).
 """
 
 from __future__ import annotations

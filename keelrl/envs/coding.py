@@ -77,7 +77,7 @@ class CodingEnv:
     """Fix a bug in a small repository with read/replace/edit/test/submit tools."""
 
     read_only_tools = frozenset({"read", "test", "submit"})
-    """Tools that cannot change the code (process labels skip them: `RolloutConfig.label_steps`)."""
+    """Tools that cannot change the code (process labels skip them: `EpisodeLimits.label_steps`)."""
 
     def __init__(self, verifier: str | Verifier = "strong", *, sandbox: Sandbox | None = None,
                  max_turns: int = 12, max_action_chars: int = 4000, use_git: bool = True,

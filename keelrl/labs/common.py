@@ -10,27 +10,27 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 LAB_FAST = ["rollout.tasks_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=64", "env.max_turns=4",
-            "train.eval_tasks=40", "train.sample_trajectories=2", "train.checkpoint_every=1000",
+            "eval.tasks=40", "output.sample_trajectories=2", "output.checkpoint_every=1000",
             "warm_start.demos=128", "warm_start.epochs=3", "rollout.engine=sync"]
 """Budget shared by the labs' training runs (one warm start, short RL, a 40-task held-out eval)."""
 
 GUESS = ["env.name=guess", "env.max_turns=5", "rollout.max_new_tokens=24", "rollout.tasks_per_step=8",
-         "warm_start.demos=256", "warm_start.mistake_rate=0.6", "train.eval_tasks=100"]
+         "warm_start.demos=256", "warm_start.mistake_rate=0.6", "eval.tasks=100"]
 """The guessing-game labs (credit, dynamic-sampling): find 1..16 in 5 guesses, after a warm start
 on a teacher that errs."""
 
 
-HACK = [*GUESS, "warm_start.mistake_rate=0.3", "rollout.tasks_per_step=16", "train.eval_tasks=200"]
+HACK = [*GUESS, "warm_start.mistake_rate=0.3", "rollout.tasks_per_step=16", "eval.tasks=200"]
 """The reward-hacking lab: a steadier teacher than the other guessing-game labs' (so the policy starts
 out mostly well-formed), 64 episodes a step and a 200-task held-out eval."""
 
-ENTROPY = [*GUESS, "warm_start.mistake_rate=0.3", "rollout.tasks_per_step=16", "train.lr=5e-4"]
+ENTROPY = [*GUESS, "warm_start.mistake_rate=0.3", "rollout.tasks_per_step=16", "optim.lr=5e-4"]
 """The entropy lab: the reward-hacking lab's warm start and batch, and a faster learning rate."""
 
 QUICK = ["rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=16", "env.max_turns=2",
-         "train.eval_tasks=4", "warm_start.demos=8", "warm_start.epochs=1", "train.minibatch_size=4"]
+         "eval.tasks=4", "warm_start.demos=8", "warm_start.epochs=1", "train.minibatch_size=4"]
 
-QUICK_GUESS = ["rollout.tasks_per_step=2", "rollout.group_size=2", "train.eval_tasks=4", "warm_start.demos=16",
+QUICK_GUESS = ["rollout.tasks_per_step=2", "rollout.group_size=2", "eval.tasks=4", "warm_start.demos=16",
                "warm_start.epochs=1", "train.minibatch_size=4"]
 """--quick on a guessing-game lab (5 turns kept: the teacher's demonstrations must still succeed)."""
 

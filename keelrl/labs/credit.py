@@ -44,7 +44,7 @@ def lab_credit(out: Path, overrides: Sequence[str], quick: bool, progress: Calla
 
     steps = 2 if quick else 15
     settings = list(overrides)
-    common = [f"train.steps={steps}", f"train.eval_every={max(1, steps // 3)}"]
+    common = [f"train.steps={steps}", f"eval.every={max(1, steps // 3)}"]
     variants = {"grpo": ["algo.preset=grpo", *common],
                 "critic-turn-gae": ["algo.preset=ppo", "algo.level=turn", "algo.lam=0.9", "model.critic=head",
                                     *common]}

@@ -19,14 +19,14 @@ A user's `model.path=` is taken as the student as is.
 The teacher is `distill.teacher=PATH` when given (e.g. the default run's
 `checkpoints/step-N/model`), else the lab makes one first: SmolLM2 warm-started on
 `TEACHER_DEMOS` fixes. Held-out strict success (one greedy attempt per task, the strong
-verifier) is measured on the same tasks before RL and every `train.eval_every` steps. The start
+verifier) is measured on the same tasks before RL and every `eval.every` steps. The start
 is evaluated once, in the first variant's run: the three start from the same weights and greedy
-decoding is deterministic, so the other two reuse that figure (`train.eval_before_rl=false`)
+decoding is deterministic, so the other two reuse that figure (`eval.before_rl=false`)
 and each variant's change is paired against it. The summary reports each variant's change with
 its paired standard error and says plainly when none is distinguishable from GRPO's.
 
 Every variant makes `train.minibatch_size=4`-trajectory updates (4 optimizer steps per RL step,
-one group each) at `train.lr=5e-5`: four steps of one update each at the default 2e-5 are too
+one group each) at `optim.lr=5e-5`: four steps of one update each at the default 2e-5 are too
 few to move the student (docs/measurements.md#the-distill-labs-student-and-learning-rate).
 """
 
@@ -41,15 +41,15 @@ from keelrl.labs.common import (USER_OVERRIDES, LabResult, config, first, last, 
                                 series, steps_run)
 
 DISTILL = ["model.path=smollm2", "rollout.engine=sync", "rollout.tasks_per_step=4", "rollout.group_size=4",
-           "train.steps=4", "train.eval_every=2", "train.eval_tasks=32", "train.minibatch_size=4", "train.lr=5e-5",
-           "train.checkpoint_every=1000", "train.sample_trajectories=2", "train.eval_base=false",
+           "train.steps=4", "eval.every=2", "eval.tasks=32", "train.minibatch_size=4", "optim.lr=5e-5",
+           "output.checkpoint_every=1000", "output.sample_trajectories=2", "eval.base=false",
            "warm_start.demos=0", "distill.coef=1.0"]
 """The distill lab's budget on SmolLM2: 4 steps of 4 tasks x 4 attempts per variant, 4 updates a
 step, a 32-task held-out evaluation before RL (once) and every 2 steps."""
 
 DISTILL_QUICK = ["model.path=tiny", "env.show_file=false", "env.max_turns=2", "rollout.max_new_tokens=16",
-                 "rollout.tasks_per_step=2", "rollout.group_size=2", "train.steps=2", "train.eval_every=1",
-                 "train.eval_tasks=4", "train.minibatch_size=4", "rollout.temperature=1.0", "train.eval_dtype=float32"]
+                 "rollout.tasks_per_step=2", "rollout.group_size=2", "train.steps=2", "eval.every=1",
+                 "eval.tasks=4", "train.minibatch_size=4", "rollout.temperature=1.0", "eval.dtype=float32"]
 """--quick: the tiny model, for a smoke run of the machinery."""
 
 STUDENT_DEMOS = 48
@@ -98,11 +98,11 @@ def lab_distill(out: Path, overrides: Sequence[str], quick: bool, progress: Call
     for label, extra in variants.items():
         progress(f"training variant {label!r}")
         settings = [*base, f"model.path={student}", *extra, *without_teacher(USER_OVERRIDES.get()),
-                    *([] if first_run else ["train.eval_before_rl=false"])]
+                    *([] if first_run else ["eval.before_rl=false"])]
         summary = Trainer(config(out / label, settings)).run()
         if first_run and "warm_start" not in summary.get("heldout", {}):
             raise ValueError("the distill lab evaluates the shared start in its first variant's run: "
-                             "leave train.eval_before_rl true")
+                             "leave eval.before_rl true")
         first_run = False
     return distill_summary(out, list(variants), str(teacher), str(student))
 

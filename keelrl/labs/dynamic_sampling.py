@@ -13,7 +13,7 @@ def lab_dynamic_sampling(out: Path, overrides: Sequence[str], quick: bool,
                          progress: Callable[[str], None]) -> LabResult:
     """On the guessing game, where a fair share of groups all fail (or all succeed)."""
     steps = 2 if quick else 12
-    common = ["algo.preset=dapo", f"train.steps={steps}", f"train.eval_every={max(1, steps // 3)}",
+    common = ["algo.preset=dapo", f"train.steps={steps}", f"eval.every={max(1, steps // 3)}",
               "rollout.dynamic_max_extra_groups=16"]
     variants = {"dapo": common, "dapo-no-dynamic": [*common, "algo.dynamic_sampling=false"]}
     runs = train_variants(out, variants, overrides, progress)

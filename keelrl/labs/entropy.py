@@ -13,7 +13,7 @@ from keelrl.labs.common import (LabResult, alarms, config, first, last, markdown
 def lab_entropy(out: Path, overrides: Sequence[str], quick: bool, progress: Callable[[str], None]) -> LabResult:
     """GRPO without a KL anchor, with and without an entropy bonus, on the guessing game."""
     steps = 2 if quick else 16
-    common = ["algo.preset=grpo", f"train.steps={steps}", f"train.eval_every={max(1, steps // 2)}",
+    common = ["algo.preset=grpo", f"train.steps={steps}", f"eval.every={max(1, steps // 2)}",
               "algo.kl_coef=0"]
     variants = {"no-bonus": [*common, "algo.entropy_coef=0"], "bonus-0.005": [*common, "algo.entropy_coef=0.005"],
                 "bonus-0.05": [*common, "algo.entropy_coef=0.05"]}
@@ -34,7 +34,7 @@ def lab_entropy(out: Path, overrides: Sequence[str], quick: bool, progress: Call
                           "reward_last3": mean([v for _, v in series(rows, "train/reward")[-3:]]),
                           "eval_before": first(rows, "eval/success"), "eval_after": last(rows, "eval/success"),
                           "alarms": alarms(out / label)}
-    lr = config(out, overrides).train.lr
+    lr = config(out, overrides).optim.lr
     plain = numbers["no-bonus"]
     fell = plain["entropy_min"] < 0.5 * plain["entropy_first"]
     uniform = math.log(len(warm_tokenizer(out)))

@@ -16,7 +16,7 @@ def lab_reward_hacking(out: Path, overrides: Sequence[str], quick: bool,
     """GRPO on the guessing game's `weak` verifier vs its `strong` one, both evaluated by `strong`."""
     steps = 2 if quick else 20
     every = 1 if quick else 4
-    common = ["algo.preset=grpo", f"train.steps={steps}", f"train.eval_every={every}", "monitor.window=2"]
+    common = ["algo.preset=grpo", f"train.steps={steps}", f"eval.every={every}", "monitor.window=2"]
     variants = {"weak": [*common, "env.verifier=weak"], "strong": [*common, "env.verifier=strong"]}
     runs = train_variants(out, variants, overrides, progress)
     steps = steps_run(runs)

@@ -102,7 +102,7 @@ def lab_stale_ratios(out: Path, overrides: Sequence[str], quick: bool,
     summary = "\n".join([
         "# Lab: stale ratios", "",
         f"One batch of {len(behaviour)} real rollouts (tiny model after a short warm start) is scored by learners "
-        f"0..{staleness} updates ahead (each a real GRPO step on that step's batch, lr {cfg.train.lr:g}). Longest trajectory: "
+        f"0..{staleness} updates ahead (each a real GRPO step on that step's batch, lr {cfg.optim.lr:g}). Longest trajectory: "
         f"{longest} action tokens; mean |log pi/mu| per token at staleness {staleness}: "
         f"{results['token_log_ratio_abs_mean_at_max_staleness']:.4f}.", "",
         markdown_table(["ratio", "max weight, fresh", f"max weight, staleness {staleness}",

@@ -19,16 +19,16 @@ from typing import Any, Callable, Sequence
 
 from keelrl.envs.base import Turn
 from keelrl.policy.sampling import SamplingConfig, draw_uniforms, sample
-from keelrl.rollout.scheduler import (ActFn, Episode, EpisodeScheduler, GroupRequest, RolloutConfig,
+from keelrl.rollout.scheduler import (ActFn, EpisodeInFlight, EpisodeScheduler, GroupRequest, EpisodeLimits,
                                       observation_tokens, prompt_tokens)
 from keelrl.rollout.trajectory import Trajectory
 
-__all__ = ["ActFn", "Episode", "RolloutConfig", "model_actor",
+__all__ = ["ActFn", "EpisodeInFlight", "EpisodeLimits", "model_actor",
            "observation_tokens", "prompt_tokens", "run_episodes", "scripted_actor"]
 
 
 def run_episodes(make_env: Callable[[], Any], tasks: Sequence[Any], tokenizer: Any, act: ActFn,
-                 cfg: RolloutConfig, *, version: int = 0, group_ids: Sequence[int] | None = None,
+                 cfg: EpisodeLimits, *, version: int = 0, group_ids: Sequence[int] | None = None,
                  seed: int = 0) -> list[Trajectory]:
     """One episode per entry of `tasks` (repeat a task G times for a group); returns trajectories.
 
@@ -52,13 +52,13 @@ def model_actor(model: Any, tokenizer: Any, sampling: SamplingConfig) -> ActFn:
     batch it shares.
     """
 
-    def act(active: Sequence[Episode]) -> list[tuple[list[int], list[float], str]]:
+    def act(active: Sequence[EpisodeInFlight]) -> list[tuple[list[int], list[float], str]]:
         import torch
 
         reserved = min(episode.reserved for episode in active)
         if sampling.max_new_tokens > reserved:
             raise ValueError(f"sampling.max_new_tokens={sampling.max_new_tokens} is more than the "
-                             f"{reserved} tokens the rollout reserves for an action (RolloutConfig."
+                             f"{reserved} tokens the rollout reserves for an action (EpisodeLimits."
                              f"max_new_tokens): an action could overflow max_context_tokens")
         uniforms = torch.stack([draw_uniforms(episode.generator, sampling.max_new_tokens) for episode in active])
         caches = [episode.kv for episode in active] if sampling.keep_kv else None
@@ -75,7 +75,7 @@ def model_actor(model: Any, tokenizer: Any, sampling: SamplingConfig) -> ActFn:
 def scripted_actor(tokenizer: Any, policies: Sequence[Callable[[str, Sequence[Turn]], str]]) -> ActFn:
     """An ActFn replaying one scripted policy per episode (in admission order); log-probs are 0."""
 
-    def act(active: Sequence[Episode]) -> list[tuple[list[int], list[float], str]]:
+    def act(active: Sequence[EpisodeInFlight]) -> list[tuple[list[int], list[float], str]]:
         out = []
         for episode in active:
             trajectory = episode.trajectory

@@ -12,7 +12,7 @@ from typing import Any, Callable
 from keelrl.policy.sampling import SamplingConfig
 from keelrl.registry import Registry
 from keelrl.rollout.engines import LocalEngine, RequestsFor, RolloutEngine
-from keelrl.rollout.scheduler import RolloutConfig
+from keelrl.rollout.scheduler import EpisodeLimits
 
 EngineBuilder = Callable[..., RolloutEngine]
 
@@ -46,7 +46,7 @@ def _ray(settings: Any, requests_for: RequestsFor, **parts: Any) -> RolloutEngin
 
 
 def build_engine(settings: Any, requests_for: RequestsFor, *, model: Any, model_path: str, tokenizer: Any,
-                 make_env: Callable[[], Any], sampling: SamplingConfig, rollout: RolloutConfig,
+                 make_env: Callable[[], Any], sampling: SamplingConfig, rollout: EpisodeLimits,
                  seed: int) -> RolloutEngine:
     """The engine `settings.engine` names (the config's rollout section), over `model` (or, for
     engines with their own processes, the model at `model_path`)."""

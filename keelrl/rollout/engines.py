@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 from keelrl.policy.sampling import SamplingConfig
 from keelrl.rollout.agent_loop import model_actor
-from keelrl.rollout.scheduler import (ActFn, EpisodeScheduler, GroupRequest, GroupResult, RolloutConfig,
+from keelrl.rollout.scheduler import (ActFn, EpisodeScheduler, GroupRequest, GroupResult, EpisodeLimits,
                                       SchedulerStats, WeightSlot)
 from keelrl.rollout.trajectory import Trajectory
 
@@ -155,7 +155,7 @@ class LocalEngine(RolloutEngine):
     """`sync` (in the caller's thread, learner's weights) or `async` (a rollout thread, own weights)."""
 
     def __init__(self, requests_for: RequestsFor, *, model: Any, tokenizer: Any, make_env: Callable[[], Any],
-                 sampling: SamplingConfig, rollout: RolloutConfig, asynchronous: bool, max_staleness: int = 1,
+                 sampling: SamplingConfig, rollout: EpisodeLimits, asynchronous: bool, max_staleness: int = 1,
                  act_for: Callable[[Any], ActFn] | None = None) -> None:
         """`act_for(model)` builds the actor over the engine's policy copy (default: sample from it)."""
         super().__init__(requests_for, max_staleness if asynchronous else 0)

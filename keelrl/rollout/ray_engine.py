@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from keelrl.policy.sampling import SamplingConfig
 from keelrl.rollout.engines import RequestsFor, RolloutEngine, StepRollouts, staleness_metrics
-from keelrl.rollout.scheduler import (EpisodeScheduler, GroupRequest, GroupResult, RolloutConfig, SchedulerStats,
+from keelrl.rollout.scheduler import (EpisodeScheduler, GroupRequest, GroupResult, EpisodeLimits, SchedulerStats,
                                       WeightSlot)
 
 
@@ -59,7 +59,7 @@ class WorkerSpec:
     model_path: str
     make_env: Callable[[], Any]
     sampling: SamplingConfig
-    rollout: RolloutConfig
+    rollout: EpisodeLimits
     device: str = "cpu"
     torch_threads: int = 1
     cpu_cores: tuple[int, ...] = ()
@@ -145,7 +145,7 @@ class RayEngine(RolloutEngine):
     name = "ray"
 
     def __init__(self, requests_for: RequestsFor, *, model_path: str, tokenizer: Any, make_env: Callable[[], Any],
-                 sampling: SamplingConfig, rollout: RolloutConfig, max_staleness: int = 1, workers: int = 2,
+                 sampling: SamplingConfig, rollout: EpisodeLimits, max_staleness: int = 1, workers: int = 2,
                  worker_cpus: float = 1.0, worker_cores: tuple[int, ...] = (), seed: int = 0,
                  poll_interval: float = 0.02,
                  worker_timeout_s: float = 600.0, ray_module: Any = None,

@@ -42,8 +42,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from keelrl.config import RolloutSettings
 from keelrl.policy.chat import ChatFormat
-from keelrl.policy.sampling import SamplingConfig
 from keelrl.rollout.trajectory import Trajectory
 
 
@@ -71,25 +71,33 @@ class GroupResult:
 
 
 @dataclass(frozen=True)
-class RolloutConfig:
-    """Episode limits for rollouts."""
+class EpisodeLimits:
+    """What the scheduler enforces on every episode. No defaults of its own: a run's come from its
+    config's rollout section and env.max_turns (`of`)."""
 
-    group_size: int = 4
-    """Attempts per task (GRPO's G)."""
-    max_turns: int = 8
-    max_context_tokens: int = 3072
+    max_turns: int
+    """Turns per episode (env.max_turns)."""
+    max_context_tokens: int
     """An episode whose context would exceed this ends with termination 'context_limit'."""
-    max_new_tokens: int = SamplingConfig.max_new_tokens
-    """Room kept for the next action (set it to the sampler's `max_new_tokens`): an episode
-    stops ('context_limit') before a turn that could push its context past
-    `max_context_tokens`, never truncating anything."""
-    env_threads: int = 4
+    max_new_tokens: int
+    """Room kept for the next action (the sampler's `max_new_tokens`): an episode stops
+    ('context_limit') before a turn that could push its context past `max_context_tokens`,
+    never truncating anything."""
+    env_threads: int
     """Threads running environment work (resets, tool calls, gradings)."""
-    interruptible: bool = True
+    interruptible: bool
     """Load new weights between any two turns (False: only when no episode is in flight)."""
-    label_steps: bool = False
+    label_steps: bool
     """Process labels: grade the hidden checks after every turn that can change the code, and
     label each such turn 1 when it raised the pass count, 0 when not (`Trajectory.step_labels`)."""
+
+    @classmethod
+    def of(cls, rollout: RolloutSettings, max_turns: int, label_steps: bool = False) -> "EpisodeLimits":
+        """The limits of the config's rollout section, with `max_turns` turns per episode
+        (env.max_turns) and process labels when `label_steps` (prm.enabled)."""
+        return cls(max_turns=max_turns, max_context_tokens=rollout.max_context_tokens,
+                   max_new_tokens=rollout.max_new_tokens, env_threads=rollout.env_threads,
+                   interruptible=rollout.interruptible, label_steps=label_steps)
 
 
 def prompt_tokens(tokenizer: Any, first_observation: str) -> list[int]:
@@ -111,8 +119,9 @@ def episode_generator(seed: int, attempt: int) -> torch.Generator:
 
 
 @dataclass
-class Episode:
-    """One episode in flight (what an `ActFn` sees)."""
+class EpisodeInFlight:
+    """One episode in flight (what an `ActFn` sees); a finished one is its `Trajectory`
+    (`keelrl.envs.base.Episode` is the text-level record of `run_episode`)."""
 
     index: int
     """Position among all episodes this scheduler has admitted (scripted actors key on it)."""
@@ -123,7 +132,7 @@ class Episode:
     generator: torch.Generator
     turn: int = 0
     reserved: int = 1 << 30
-    """Tokens the scheduler reserved for this episode's next action (`RolloutConfig.max_new_tokens`)."""
+    """Tokens the scheduler reserved for this episode's next action (`EpisodeLimits.max_new_tokens`)."""
     last_action: list[int] = field(default_factory=list)
     """Token ids of the latest action (its observation is laid out after it)."""
     started: float = 0.0
@@ -144,7 +153,7 @@ class Episode:
         return self.request.task
 
 
-ActFn = Callable[[Sequence[Episode]], list[tuple[list[int], list[float], str]]]
+ActFn = Callable[[Sequence[EpisodeInFlight]], list[tuple[list[int], list[float], str]]]
 """Given the episodes waiting for an action, return (token ids, behaviour log-probs, text) for each."""
 
 
@@ -201,7 +210,7 @@ class WeightSlot:
 class EpisodeScheduler:
     """Runs `GroupRequest`s to completion with continuous batching (see the module docstring)."""
 
-    def __init__(self, make_env: Callable[[], Any], tokenizer: Any, act: ActFn, cfg: RolloutConfig,
+    def __init__(self, make_env: Callable[[], Any], tokenizer: Any, act: ActFn, cfg: EpisodeLimits,
                  refresh: Callable[[], int] | None = None, has_newer: Callable[[], bool] | None = None) -> None:
         self.make_env, self.tokenizer, self.act, self.cfg = make_env, tokenizer, act, cfg
         self.version: int = 0
@@ -212,10 +221,10 @@ class EpisodeScheduler:
         self._incoming: deque[GroupRequest] = deque()
         self._lock = threading.Lock()
         self._waiting: deque[GroupRequest] = deque()
-        self._ready: list[Episode] = []
-        self._futures: dict[Future[Any], tuple[str, Episode]] = {}
-        self._groups: dict[int, list[Episode]] = {}
-        self._done: dict[int, list[Episode]] = {}
+        self._ready: list[EpisodeInFlight] = []
+        self._futures: dict[Future[Any], tuple[str, EpisodeInFlight]] = {}
+        self._groups: dict[int, list[EpisodeInFlight]] = {}
+        self._done: dict[int, list[EpisodeInFlight]] = {}
         self._episodes_admitted = 0
         self._base_passes: dict[str, int] = {}
         """label_steps: each task's pass count before any turn (the same for every attempt)."""
@@ -271,12 +280,12 @@ class EpisodeScheduler:
             self._groups[request.index] = []
             self.stats.admitted += 1
             for attempt in range(request.group_size):
-                episode = Episode(index=self._episodes_admitted, request=request, attempt=attempt, env=self.make_env(),
-                                  trajectory=Trajectory(task_id=str(getattr(request.task, "id", request.task)),
-                                                        group_id=request.group_id if request.group_id >= 0
-                                                        else request.index),
-                                  generator=episode_generator(request.seed, attempt), started=time.monotonic(),
-                                  reserved=self.cfg.max_new_tokens)
+                trajectory = Trajectory(task_id=str(getattr(request.task, "id", request.task)),
+                                        group_id=request.group_id if request.group_id >= 0 else request.index)
+                episode = EpisodeInFlight(index=self._episodes_admitted, request=request, attempt=attempt,
+                                          env=self.make_env(), trajectory=trajectory,
+                                          generator=episode_generator(request.seed, attempt), started=time.monotonic(),
+                                          reserved=self.cfg.max_new_tokens)
                 self._episodes_admitted += 1
                 self._groups[request.index].append(episode)
                 reset = _reset_counted if self.cfg.label_steps else _reset
@@ -330,7 +339,7 @@ class EpisodeScheduler:
                     results.append(result)
         return results
 
-    def _after_step(self, episode: Episode, observation: str, done: bool, info: dict[str, Any],
+    def _after_step(self, episode: EpisodeInFlight, observation: str, done: bool, info: dict[str, Any],
                     passes: int | None = None) -> None:
         trajectory = episode.trajectory
         if self.cfg.label_steps:  # a turn that was not graded left the pass count where it was
@@ -356,7 +365,7 @@ class EpisodeScheduler:
                 return
         self._futures[self.pool.submit(self._timed, episode.env.grade)] = ("grade", episode)
 
-    def _after_grade(self, episode: Episode, grade: Any) -> GroupResult | None:
+    def _after_grade(self, episode: EpisodeInFlight, grade: Any) -> GroupResult | None:
         trajectory = episode.trajectory
         trajectory.reward, trajectory.success, trajectory.partial = grade.reward, grade.success, grade.partial
         trajectory.checks = [{"name": c.name, "passed": c.passed, "detail": c.detail} for c in grade.checks]
@@ -366,7 +375,7 @@ class EpisodeScheduler:
             trajectory.step_labels = step_labels(episode.passes, episode.acting)
         return self._finish(episode)
 
-    def _env_failed(self, episode: Episode, kind: str, error: Exception) -> GroupResult | None:
+    def _env_failed(self, episode: EpisodeInFlight, kind: str, error: Exception) -> GroupResult | None:
         """The env's reset or step raised: the episode ends here, ungraded (its env state is unknown)."""
         trajectory = episode.trajectory
         frame = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
@@ -377,7 +386,7 @@ class EpisodeScheduler:
         trajectory.success = False
         return self._finish(episode)
 
-    def _finish(self, episode: Episode) -> GroupResult | None:
+    def _finish(self, episode: EpisodeInFlight) -> GroupResult | None:
         """Close a graded (or failed) episode; returns its group once all G episodes are done."""
         trajectory = episode.trajectory
         trajectory.seconds = {"total": time.monotonic() - episode.started, **episode.seconds}

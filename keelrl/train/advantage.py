@@ -91,8 +91,8 @@ class AdvantageStage:
         the batch (distillation); `sampled_by_teacher`: the teacher sampled the batch (step 6)."""
         algo, temperature = self.cfg.algo, self.cfg.rollout.temperature
         mask = batch.action_mask
-        budget = self.cfg.train.micro_batch_tokens
-        keys = prefix_keys(self.cfg.train, batch)
+        budget = self.cfg.perf.micro_batch_tokens
+        keys = prefix_keys(self.cfg.perf, batch)
         steps, step_labels = labelled_turns(batch)
         prox_out: dict[str, Tensor] = {}
         if not self.prox_from_update(batch):

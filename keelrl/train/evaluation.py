@@ -8,7 +8,7 @@ evaluations on the same tasks, the paired standard error of the difference is sm
 either alone; `paired_difference` gives it.
 
 `Evaluator.evaluate` runs the held-out episodes with the policy as evaluation samples it (itself,
-or a copy of its current weights in `train.eval_dtype`) and the strong verifier, and reports
+or a copy of its current weights in `eval.dtype`) and the strong verifier, and reports
 them, with the process reward model's accuracy on their labelled turns when a run has one.
 """
 
@@ -25,7 +25,7 @@ from keelrl.config import KeelConfig
 from keelrl.policy.model import cpu_has_amx_bf16
 from keelrl.policy.prefix import chunked_token_logprobs
 from keelrl.policy.sampling import SamplingConfig
-from keelrl.rollout.agent_loop import RolloutConfig, model_actor, run_episodes
+from keelrl.rollout.agent_loop import EpisodeLimits, model_actor, run_episodes
 from keelrl.rollout.trajectory import Trajectory, collate
 from keelrl.train.prm import ProcessRewardModel, classification_metrics, labelled_turns
 
@@ -91,7 +91,7 @@ class Evaluator:
     evaluation environments (strong verifier), `rollout` (one attempt per task) how episodes run."""
 
     def __init__(self, cfg: KeelConfig, model: Any, tokenizer: Any, device: torch.device, make_env: Callable[[], Any],
-                 rollout: RolloutConfig, prm: ProcessRewardModel | None, autocast: Callable[[], Any]) -> None:
+                 rollout: EpisodeLimits, prm: ProcessRewardModel | None, autocast: Callable[[], Any]) -> None:
         self.cfg, self.model, self.tokenizer, self.device = cfg, model, tokenizer, device
         self.make_env, self.rollout, self.prm, self.autocast = make_env, rollout, prm, autocast
         self._copy: Any = None
@@ -100,10 +100,10 @@ class Evaluator:
 
     def eval_model(self) -> Any:
         """The policy as evaluation samples it: itself, or a copy of its current weights in
-        `train.eval_dtype` (auto: bf16 on a CPU with AMX, else the policy's dtype); the
+        `eval.dtype` (auto: bf16 on a CPU with AMX, else the policy's dtype); the
         evaluation needs no behaviour log-probs to match the learner's."""
         auto = torch.bfloat16 if self.device.type == "cpu" and cpu_has_amx_bf16() else self.model.dtype
-        wanted = {"auto": auto, "float32": torch.float32, "bfloat16": torch.bfloat16}[self.cfg.train.eval_dtype]
+        wanted = {"auto": auto, "float32": torch.float32, "bfloat16": torch.bfloat16}[self.cfg.eval.dtype]
         if wanted == self.model.dtype:
             return self.model
         if self._copy is None:
@@ -114,7 +114,7 @@ class Evaluator:
     def evaluate(self, tasks: Sequence[Any]) -> dict[str, float]:
         """Held-out success with the strong verifier, one attempt per task of `tasks`."""
         tasks = list(tasks)
-        sampling = SamplingConfig(temperature=self.cfg.train.eval_temperature, top_p=1.0,
+        sampling = SamplingConfig(temperature=self.cfg.eval.temperature, top_p=1.0,
                                   max_new_tokens=self.cfg.rollout.max_new_tokens, keep_kv=self.cfg.rollout.keep_kv)
         self.model.eval()
         trajectories = run_episodes(self.make_env, tasks, self.tokenizer,
@@ -138,6 +138,6 @@ class Evaluator:
         where, labels = labelled_turns(batch)
         with self.autocast():
             features = chunked_token_logprobs(self.model, batch.input_ids, batch.attention_mask,
-                                              max_tokens=self.cfg.train.micro_batch_tokens, positions=where,
+                                              max_tokens=self.cfg.perf.micro_batch_tokens, positions=where,
                                               hidden_at=where)["hidden_at"]
         return classification_metrics(self.prm.scores(features), labels, "eval/prm_")

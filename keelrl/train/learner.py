@@ -1,6 +1,6 @@
 """The learner: a step's optimiser updates, as minibatches run in micro-batches.
 
-Memory. No forward pass sees more than `train.micro_batch_tokens` padded tokens (rows x
+Memory. No forward pass sees more than `perf.micro_batch_tokens` padded tokens (rows x
 longest row): each optimiser minibatch (of RL and of the warm start) runs as micro-batches
 whose gradients accumulate into the update of one pass over the minibatch. A row longer than
 the budget runs alone, over budget. The aggregation modes weigh tokens by minibatch-wide
@@ -56,7 +56,7 @@ def aggregation_weights(mask: Tensor, cfg: AlgoConfig) -> Tensor:
         (weights,) = torch.autograd.grad(total, probe)
     if not torch.allclose(total.detach(), (weights * probe.detach()).sum(), rtol=1e-9, atol=1e-12):
         raise ValueError(f"algo.aggregation={cfg.aggregation!r} is not linear in the per-token losses, so "
-                         f"train.micro_batch_tokens cannot split a minibatch into micro-batches")
+                         f"perf.micro_batch_tokens cannot split a minibatch into micro-batches")
     return weights
 
 
@@ -71,8 +71,8 @@ def micro_batch_scale(minibatch_weights: Tensor, micro_mask: Tensor, cfg: AlgoCo
     scale = float(minibatch_weights.sum() / micro_weights.sum()) if micro_weights.sum() != 0 else 0.0
     if not torch.allclose(minibatch_weights, scale * micro_weights, rtol=1e-9, atol=1e-15):
         raise ValueError(f"algo.aggregation={cfg.aggregation!r} weighs a micro-batch's tokens differently from "
-                         f"the whole minibatch, so train.micro_batch_tokens cannot split it; raise "
-                         f"train.micro_batch_tokens above the minibatch's padded tokens")
+                         f"the whole minibatch, so perf.micro_batch_tokens cannot split it; raise "
+                         f"perf.micro_batch_tokens above the minibatch's padded tokens")
     return scale
 
 
@@ -109,11 +109,11 @@ def enable_gradient_checkpointing(model: Any) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def prefix_keys(train: Any, batch: Batch) -> Tensor | None:
+def prefix_keys(perf: Any, batch: Batch) -> Tensor | None:
     """Which rows of `batch` the learner's passes may run by shared prompt: those of one group
-    (the plan checks the tokens). None, so every pass runs plainly, unless train.share_prefix;
+    (the plan checks the tokens). None, so every pass runs plainly, unless perf.share_prefix;
     never under activation checkpointing, which would replay the layers that fill the cache."""
-    if not train.share_prefix or train.gradient_checkpointing:
+    if not perf.share_prefix or perf.gradient_checkpointing:
         return None
     return batch.group_ids.cpu()
 
@@ -200,16 +200,16 @@ class Learner:
         return params
 
     def new_optimizer(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.cfg.train.lr, weight_decay=self.cfg.train.weight_decay)
+        return torch.optim.AdamW(self.parameters(), lr=self.cfg.optim.lr, weight_decay=self.cfg.optim.weight_decay)
 
     def autocast(self) -> Any:
-        """The learner's precision context (`train.learner_precision`); sampling never uses it."""
-        return learner_autocast(self.device, self.cfg.train.learner_precision)
+        """The learner's precision context (`perf.learner_precision`); sampling never uses it."""
+        return learner_autocast(self.device, self.cfg.perf.learner_precision)
 
     def step_lr(self, step: int) -> float:
-        """RL step `step`'s learning rate (linear warmup over train.warmup_steps), set on the optimiser."""
-        train = self.cfg.train
-        lr = train.lr * min(1.0, step / train.warmup_steps) if train.warmup_steps else train.lr  # step >= 1
+        """RL step `step`'s learning rate (linear warmup over optim.warmup_steps), set on the optimiser."""
+        optim = self.cfg.optim
+        lr = optim.lr * min(1.0, step / optim.warmup_steps) if optim.warmup_steps else optim.lr  # step >= 1
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         return lr
@@ -241,7 +241,7 @@ class Learner:
                     self.optimizer.zero_grad(set_to_none=True)
                     skipped += 1
                     continue
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters(), train.max_grad_norm)
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters(), self.cfg.optim.max_grad_norm)
                 if not torch.isfinite(grad_norm):
                     self.optimizer.zero_grad(set_to_none=True)
                     skipped += 1
@@ -261,7 +261,7 @@ class Learner:
         Gradients add up in the parameters' .grad (the caller zeroes them first) to those of one
         pass over the whole minibatch: each micro-batch's loss is scaled by `micro_batch_scale`.
         Rows are sorted by length within the minibatch and each micro-batch is cut to its own
-        longest row; a row longer than train.micro_batch_tokens runs alone. Without proximal
+        longest row; a row longer than perf.micro_batch_tokens runs alone. Without proximal
         log-probs in `inputs`, each micro-batch's own detached log-probs are pi_prox (one update
         per step: `AdvantageStage.prox_from_update`) and come back in the result.
         """
@@ -271,13 +271,13 @@ class Learner:
         action_tokens = int(mask.sum())
         parts: list[tuple[dict[str, Tensor], float, float, bool]] = []
         own_logp: list[tuple[Tensor, int, Tensor]] = []
-        keys = prefix_keys(self.cfg.train, batch)
+        keys = prefix_keys(self.cfg.perf, batch)
         observation_coef = 0.0 if batch.observation_mask is None else distill.observation_coef
         observed = batch.observation_mask[rows] if observation_coef > 0 else None  # type: ignore[index]
         observation_tokens = max(1, int(observed.sum())) if observed is not None else 1
         observation_nll = 0.0
         scored = mask if observed is None else mask | observed
-        for plan in plan_passes(batch.input_ids[rows], batch.attention_mask[rows], self.cfg.train.micro_batch_tokens,
+        for plan in plan_passes(batch.input_ids[rows], batch.attention_mask[rows], self.cfg.perf.micro_batch_tokens,
                                 keys=None if keys is None else keys[rows.cpu()], positions=scored):
             group, width = list(plan.rows), plan.width
             micro_rows = rows[torch.tensor(group, device=rows.device)]
@@ -360,7 +360,7 @@ class Learner:
         lengths = row_lengths(batch.attention_mask).tolist()
         optimizer.zero_grad(set_to_none=True)
         loss_value = 0.0
-        for group in split_rows(lengths, self.cfg.train.micro_batch_tokens):
+        for group in split_rows(lengths, self.cfg.perf.micro_batch_tokens):
             micro = take_rows(batch, torch.tensor(group, device=self.device), max(lengths[r] for r in group))
             with self.autocast():
                 logp = token_logprobs(self.model, micro.input_ids, micro.attention_mask,
@@ -369,6 +369,6 @@ class Learner:
             if loss.requires_grad:  # rows without action tokens: nothing to learn from
                 loss.backward()
             loss_value += loss.item()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.max_grad_norm)
         optimizer.step()
         return loss_value

@@ -22,7 +22,7 @@ import torch
 
 from keelrl.alarms import AlarmEvent, distinct_patches
 from keelrl.config import KeelConfig
-from keelrl.monitor import plot_run
+from keelrl.metrics import plot_run
 from keelrl.rollout.trajectory import Trajectory
 from keelrl.runs import (SUMMARY, alarm_sample_path, append_jsonl, atomic_write_text, read_metrics, sample_path,
                          write_episodes)
@@ -97,15 +97,15 @@ class RunOutputs:
         """episodes/ of step `step`: all its `trajectories` (failed episodes too: they show the
         error), with token values for `used`, the rows of the batch the update used; and, for a
         step that trained (`used` not empty), samples/."""
-        count = self.cfg.train.sample_trajectories
+        count = self.cfg.output.sample_trajectories
         if count > 0 and used:
             path = sample_path(self.run_dir, step)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("\n\n".join(t.to_text(self.tokenizer) for t in trajectories[:count]))
-        if self.cfg.train.save_episodes:
+        if self.cfg.output.save_episodes:
             write_episodes(self.run_dir, step, episode_rows(step, trajectories, used, self.tokenizer, advantages,
                                                             record, self.task_kinds,
-                                                            limit=self.cfg.train.save_episodes))
+                                                            limit=self.cfg.output.save_episodes))
 
     def raise_alarms(self, events: Sequence[AlarmEvent], trajectories: Sequence[Trajectory]) -> str | None:
         """Record, print and sample around each alarm; returns the name of one that stops the run."""
@@ -114,7 +114,7 @@ class RunOutputs:
             append_jsonl(self.run_dir / "alarms.jsonl", event.as_dict())
             path = alarm_sample_path(self.run_dir, event.name, event.step)
             path.parent.mkdir(exist_ok=True)
-            shown = trajectories[:max(4, self.cfg.train.sample_trajectories)]
+            shown = trajectories[:max(4, self.cfg.output.sample_trajectories)]
             path.write_text(f"# {event.message}\n\n" + "\n\n".join(t.to_text(self.tokenizer) for t in shown))
             self.progress("alarm", event.as_dict())
             if event.name in self.cfg.monitor.stop_on or "any" in self.cfg.monitor.stop_on:

@@ -2,7 +2,7 @@
 surrogate value.
 
 Labels come from the environment, not from annotators: with `prm.enabled` the rollouts grade
-the hidden checks after every turn that can change the code (`RolloutConfig.label_steps`), and
+the hidden checks after every turn that can change the code (`EpisodeLimits.label_steps`), and
 a turn is labelled 1 when it raised the pass count, 0 when it did not (a malformed edit
 included); reads, test runs and the submission get no label.
 

@@ -15,7 +15,7 @@ The reference model of the KL term is the policy as RL starts (after the warm st
 the anchor is what RL began from, not the untrained initialisation. It is saved in the run
 directory (reference/) so a resumed run anchors to the same weights.
 
-Every `eval_every` steps (and before RL, after the warm start) the policy is evaluated on
+Every `eval.every` steps (and before RL, after the warm start) the policy is evaluated on
 held-out tasks it never trains on, with the strong verifier, whatever the training verifier
 is. A step whose loss or gradient is not finite is skipped and counted. Task sampling and
 sampling seeds are functions of (seed, step) (keelrl.train.requests), so a resumed run repeats
@@ -38,11 +38,11 @@ from keelrl.components import check
 from keelrl.config import KeelConfig, dump_config, to_dict, with_paths
 from keelrl.envs.registry import EnvSpec, coding_hidden_paths, resolve_env
 from keelrl.envs.tasks import Task
-from keelrl.monitor import MetricsLogger
+from keelrl.metrics import MetricsLogger
 from keelrl.policy.critic import build_critic
 from keelrl.policy.model import load_policy, pin_to_cores, resolve_device
 from keelrl.policy.sampling import SamplingConfig
-from keelrl.rollout.agent_loop import RolloutConfig, model_actor, run_episodes
+from keelrl.rollout.agent_loop import EpisodeLimits, model_actor, run_episodes
 from keelrl.rollout.build import build_engine
 from keelrl.rollout.engines import RolloutEngine, StepRollouts
 from keelrl.rollout.scheduler import GroupRequest
@@ -96,12 +96,12 @@ class Trainer:
         check_sinks(cfg.log, self.run_dir)  # a missing wandb/mlflow fails now, before the model loads
         self.progress = progress or (lambda event, info: None)
         self.device = resolve_device(cfg.device)
-        if cfg.train.learner_cores:  # before the first torch op starts its thread pool
-            pin_to_cores(cfg.train.learner_cores)
+        if cfg.perf.learner_cores:  # before the first torch op starts its thread pool
+            pin_to_cores(cfg.perf.learner_cores)
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         self.model, self.tokenizer = load_policy(cfg.model.path, self.device)
-        if cfg.train.gradient_checkpointing:
+        if cfg.perf.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
         self.pad_id = self.tokenizer.pad_token_id
         self.value_head = None
@@ -116,7 +116,7 @@ class Trainer:
         if cfg.distill.mode != "none":
             self.teacher = Teacher(cfg.distill, self.model, self.tokenizer, student_name=cfg.model.path,
                                    device=self.device, tasks=self.train_tasks, temperature=cfg.rollout.temperature,
-                                   max_tokens=cfg.train.micro_batch_tokens)
+                                   max_tokens=cfg.perf.micro_batch_tokens)
         self.prm: ProcessRewardModel | None = None
         if cfg.prm.enabled:
             self.prm = ProcessRewardModel(self.model.config.hidden_size, self.device, lr=cfg.prm.lr,
@@ -136,7 +136,7 @@ class Trainer:
         # factory builds its sandbox and verifier once, on first use).
         self._local_envs = {True: self.env_spec.train_env(cfg), False: self.env_spec.eval_env(cfg)}
         self.evaluator = Evaluator(cfg, self.model, self.tokenizer, self.device, self._local_envs[False],
-                                   self._rollout_cfg(1), self.prm, self.learner.autocast)
+                                   self._limits(), self.prm, self.learner.autocast)
         self.outputs = RunOutputs(cfg, self.run_dir, self.tokenizer,
                                   {task.id: getattr(task, "kind", "") for task in self.train_tasks}, self.progress)
         self.step = 0
@@ -162,12 +162,10 @@ class Trainer:
         """The tools whose calls are an episode's answer, for the distinct-answers metric."""
         return self.env_spec.answer_tools
 
-    def _rollout_cfg(self, group_size: int) -> RolloutConfig:
-        r = self.cfg.rollout
-        return RolloutConfig(group_size=group_size, max_turns=self.cfg.env.max_turns,
-                             max_context_tokens=r.max_context_tokens, max_new_tokens=r.max_new_tokens,
-                             env_threads=r.env_threads, interruptible=r.interruptible,
-                             label_steps=self.cfg.prm.enabled)
+    def _limits(self) -> EpisodeLimits:
+        """The scheduler's episode limits: the rollout section's, env.max_turns, and process labels
+        when the run has a process reward model."""
+        return EpisodeLimits.of(self.cfg.rollout, self.cfg.env.max_turns, label_steps=self.cfg.prm.enabled)
 
     def requests_for(self, step: int) -> list[GroupRequest]:
         """The group requests of RL step `step` (`RequestStream.for_step`)."""
@@ -189,19 +187,19 @@ class Trainer:
         sends no requests ahead past `last_step` (default: train.steps)."""
         engine = build_engine(self.cfg.rollout, self.requests_for, model=self.model, model_path=self.cfg.model.path,
                               tokenizer=self.tokenizer, make_env=self.train_env_factory(),
-                              sampling=self.rollout_sampling(), rollout=self._rollout_cfg(self.cfg.rollout.group_size),
+                              sampling=self.rollout_sampling(), rollout=self._limits(),
                               seed=self.cfg.seed)
         engine.last_step = self.cfg.train.steps if last_step is None else last_step
         return engine
 
     def warm_start(self) -> dict[str, float]:
         """SFT on the scripted teacher's successful trajectories over training tasks (keelrl.train.warm_start)."""
-        return warm_start(self.cfg, self.env_spec, self.train_tasks, self._env(training=True), self._rollout_cfg(1),
+        return warm_start(self.cfg, self.env_spec, self.train_tasks, self._env(training=True), self._limits(),
                           self.tokenizer, self.learner, self.progress)
 
     def evaluate(self, tasks: Sequence[Task] | None = None) -> dict[str, float]:
         """Held-out success with the strong verifier, one attempt per task (keelrl.train.evaluation)."""
-        return self.evaluator.evaluate(self.heldout_tasks[: self.cfg.train.eval_tasks] if tasks is None else tasks)
+        return self.evaluator.evaluate(self.heldout_tasks[: self.cfg.eval.tasks] if tasks is None else tasks)
 
     @property
     def last_eval_report(self) -> dict[str, Any] | None:
@@ -217,7 +215,7 @@ class Trainer:
         groups = [request.group_id for request in requests for _ in range(request.group_size)]
         trajectories = run_episodes(self._env(training=True), tasks, self.tokenizer,
                                     model_actor(self.teacher.model, self.tokenizer, self.rollout_sampling()),
-                                    self._rollout_cfg(1), group_ids=groups, seed=requests[0].seed if requests else 0)
+                                    self._limits(), group_ids=groups, seed=requests[0].seed if requests else 0)
         return StepRollouts(trajectories, {"distill/teacher_histories": 1.0}, sampled_by_teacher=True)
 
     def step_rollouts(self, engine: RolloutEngine, step: int) -> StepRollouts:
@@ -254,7 +252,7 @@ class Trainer:
         # 3. advantages
         estimated = self.advantages(batch, view, sampled_by_teacher=rollouts.sampled_by_teacher)
         # 4. updates
-        record = TokenRecord.like(batch.behaviour_logprobs) if self.cfg.train.save_episodes else None
+        record = TokenRecord.like(batch.behaviour_logprobs) if self.cfg.output.save_episodes else None
         update = self.learner.update(estimated.inputs, [t.group_id for t in trajectories], step, record)
         self.skipped_steps += update.skipped
         if estimated.inputs.prox_logp is None:  # the updates' own passes gave pi_prox
@@ -294,7 +292,7 @@ class Trainer:
         RL, and the step-0 checkpoint."""
         clear_outputs(self.run_dir)
         heldout: dict[str, Any] = {}
-        if self.cfg.train.eval_base and self.cfg.warm_start.demos > 0:
+        if self.cfg.eval.base and self.cfg.warm_start.demos > 0:
             self.progress("phase", {"phase": "eval (base model)"})
             base = self.evaluate()
             heldout["base"] = self.last_eval_report
@@ -303,7 +301,7 @@ class Trainer:
         warm = self.warm_start()
         state.freeze_reference(self)
         before: dict[str, float] = {}
-        if self.cfg.train.eval_before_rl:
+        if self.cfg.eval.before_rl:
             self.progress("phase", {"phase": "eval (before RL)"})
             before = self.evaluate()
             heldout["warm_start"] = self.last_eval_report
@@ -348,7 +346,7 @@ class Trainer:
                     rollouts = self.step_rollouts(engine, step)
                     row = self.rl_step(step, rollouts, started)
                     engine.publish_model(self.model, step)
-                    if step % self.cfg.train.eval_every == 0 or step == total:
+                    if step % self.cfg.eval.every == 0 or step == total:
                         row.update(self.evaluate())
                         if step == total:  # kept in the checkpoint with the summary
                             self.summary.setdefault("heldout", {})["final"] = self.last_eval_report
@@ -358,7 +356,7 @@ class Trainer:
                     logger.log(step, row)
                     self.progress("step", {"step": step, "total": total, **row})
                     stop = self.outputs.raise_alarms(events, rollouts.trajectories)
-                    if stop or step % self.cfg.train.checkpoint_every == 0 or step == total:
+                    if stop or step % self.cfg.output.checkpoint_every == 0 or step == total:
                         self.save_checkpoint()
                     if stop:
                         self.summary["stopped_by_alarm"] = stop

@@ -17,13 +17,13 @@ import torch
 
 from keelrl.config import KeelConfig
 from keelrl.envs.registry import EnvSpec
-from keelrl.rollout.agent_loop import RolloutConfig, run_episodes, scripted_actor
+from keelrl.rollout.agent_loop import EpisodeLimits, run_episodes, scripted_actor
 from keelrl.rollout.trajectory import collate
 from keelrl.train.learner import Learner
 
 
 def warm_start(cfg: KeelConfig, env_spec: EnvSpec, train_tasks: Sequence[Any], make_env: Callable[[], Any],
-               rollout: RolloutConfig, tokenizer: Any, learner: Learner,
+               rollout: EpisodeLimits, tokenizer: Any, learner: Learner,
                progress: Callable[[str, dict[str, Any]], None]) -> dict[str, float]:
     """Run the warm start (module docstring) on `learner`'s policy; -> its metrics ({} when
     warm_start.demos is 0). `make_env` builds the training environments, `rollout` (one
