@@ -20,7 +20,7 @@ from keelrl.algos.registries import ADVANTAGES, AGGREGATIONS, ALL, RATIOS
 def comparison_table() -> list[dict[str, Any]]:
     """One row per preset: its resolved components and the lecture's three columns."""
     rows = []
-    for name, preset in PRESETS.items():
+    for name, preset in ((entry.name, entry.obj) for entry in PRESETS.entries()):
         cfg = AlgoConfig(preset=name)
         estimator = ADVANTAGES.entry(cfg.advantage)
         credit = estimator.summary

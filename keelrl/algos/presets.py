@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from keelrl.registry import Registry
+
 BASE_SETTINGS: Mapping[str, Any] = MappingProxyType({
     "advantage": "grpo",
     "ratio": "token",
@@ -90,19 +92,15 @@ _PRESET_LIST = [
            note="for asynchronous rollouts: PPO clip of pi / pi_prox, times pi_prox / mu truncated at 2 (ours)"),
 ]
 
-PRESETS: Mapping[str, Preset] = MappingProxyType({})
-
-
-def _build(presets: list[Preset]) -> Mapping[str, Preset]:
-    table: dict[str, Preset] = {}
+def _build(presets: list[Preset]) -> Registry[Preset]:
+    table: Registry[Preset] = Registry("preset")
     for preset in presets:
-        if preset.name in table:
-            raise ValueError(f"duplicate preset name {preset.name!r}")
         unknown = set(preset.settings) - set(BASE_SETTINGS)
         if unknown:
             raise ValueError(f"preset {preset.name!r} sets unknown fields: {sorted(unknown)}")
-        table[preset.name] = preset
-    return MappingProxyType(table)
+        table.add(preset.name, preset, summary=preset.paper)  # a duplicate name raises ValueError
+    return table
 
 
-PRESETS = _build(_PRESET_LIST)
+PRESETS: Registry[Preset] = _build(_PRESET_LIST)
+"""The presets by name (`algo.preset`), in the comparison table's order."""
