@@ -3,11 +3,16 @@ directory and the overrides that make a training run quick. Tests import the con
 as `from conftest import SMALL, FAST_RUN, ...`; pytest finds the fixtures by name."""
 
 import os
+
+# One thread for the torch of every subprocess a test starts too (`keel` runs, bench smoke runs),
+# for the reason below torch.set_num_threads(1).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
+import torch  # after OMP_NUM_THREADS is set
 from hypothesis import settings
 
 from keelrl.rollout.scheduler import EpisodeLimits
@@ -17,7 +22,10 @@ from keelrl.policy.tiny import TinyModelSpec, build_tiny_model, save_tiny_defaul
 settings.register_profile("keel", deadline=None, derandomize=os.environ.get("CI") == "true")
 settings.load_profile("keel")
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# One torch thread: beside other busy processes (CI's load, or the two CPU hogs the suite must
+# also finish beside), a second thread spins at every parallel region waiting for a descheduled
+# peer; alone, one thread costs little (docs/measurements.md#torch-threads-in-the-tests).
+torch.set_num_threads(1)
 
 
 def available_devices() -> list[str]:

@@ -109,5 +109,5 @@ if __name__ == "__main__":
         sys.exit(__doc__)
     import torch
 
-    torch.set_num_threads(min(2, torch.get_num_threads()))  # as tests/conftest.py
+    torch.set_num_threads(1)  # as tests/conftest.py
     record(sys.argv[2:] or list(VARIANTS))
