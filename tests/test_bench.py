@@ -1,5 +1,7 @@
 """`python -m bench --smoke` runs the benchmarks end to end at their smallest size and writes the report.
 
+The tests of that run are marked slow (`python -m pytest -q -m slow`); the rest run by default.
+
 One run (module fixture) of the harness over the kernel, TRL, sampler and async benchmarks; the
 tests read its sections and check what each says it measured: exact token counts, both sides of
 every comparison, values that agree. Nothing here checks a speed. bench.gpu and
@@ -36,6 +38,7 @@ def smoke(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # the module's one `python -m bench --smoke` run: minutes beside other load
 def test_the_report_lists_every_benchmark_and_each_ratio_against_its_target(smoke):
     report = (smoke / "BENCHMARKS.md").read_text()
     assert "smoke sizes: these figures measure nothing" in report
@@ -55,6 +58,7 @@ def test_the_report_lists_every_benchmark_and_each_ratio_against_its_target(smok
             assert f"| {name} | {ratio['name']} |" in report
 
 
+@pytest.mark.slow  # the module's one `python -m bench --smoke` run: minutes beside other load
 def test_kernel_smoke_runs_both_implementations_with_equal_values(smoke):
     section = read_section(smoke / "kernel" / "section.json")
     rows = section.data["rows"]
@@ -64,6 +68,7 @@ def test_kernel_smoke_runs_both_implementations_with_equal_values(smoke):
         assert row["max_relative_gap"] < 1e-4  # float32 sums of 512 log-probs and gradient norms
 
 
+@pytest.mark.slow  # the module's one `python -m bench --smoke` run: minutes beside other load
 def test_trl_smoke_trains_both_libraries_on_the_same_prompts_with_exact_lengths(smoke):
     section = read_section(smoke / "trl" / "section.json")
     results = section.data["results"]["tiny"]
@@ -78,6 +83,7 @@ def test_trl_smoke_trains_both_libraries_on_the_same_prompts_with_exact_lengths(
                                                 "tiny: learner tokens/s, keelrl / TRL"]
 
 
+@pytest.mark.slow  # the module's one `python -m bench --smoke` run: minutes beside other load
 def test_sampler_smoke_counts_the_history_each_turn_recomputes(smoke):
     data = read_section(smoke / "sampler" / "section.json").data
     multi = data["multi_turn"]
@@ -94,6 +100,7 @@ def test_sampler_smoke_counts_the_history_each_turn_recomputes(smoke):
         (1, "float32"), (1, "bfloat16"), (2, "float32"), (2, "bfloat16")}
 
 
+@pytest.mark.slow  # the module's one `python -m bench --smoke` run: minutes beside other load
 def test_async_smoke_runs_both_engines_at_every_latency(smoke):
     section = read_section(smoke / "async" / "section.json")
     settings = section.data["settings"]
@@ -110,6 +117,7 @@ def test_async_smoke_runs_both_engines_at_every_latency(smoke):
     assert len(section.data["speedups"]) == len(settings["latencies"])
 
 
+@pytest.mark.slow  # the module's one `python -m bench --smoke` run: minutes beside other load
 def test_async_heldout_smoke_evaluates_both_engines_on_the_warm_start_tasks(smoke):
     section = read_section(smoke / "async_heldout" / "section.json")
     data = section.data
