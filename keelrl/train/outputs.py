@@ -24,7 +24,7 @@ from keelrl.alarms import AlarmEvent, distinct_patches
 from keelrl.config import KeelConfig
 from keelrl.metrics import plot_run
 from keelrl.rollout.trajectory import Trajectory
-from keelrl.runs import (SUMMARY, alarm_sample_path, append_jsonl, atomic_write_text, read_metrics, sample_path,
+from keelrl.runs import (ALARMS, SUMMARY, alarm_sample_path, append_jsonl, atomic_write_text, read_metrics, sample_path,
                          write_episodes)
 from keelrl.train.episodes import TokenRecord, episode_rows
 from keelrl.train.evaluation import action_error_frac, context_limit_frac, finite_or_none, paired_difference
@@ -111,7 +111,7 @@ class RunOutputs:
         """Record, print and sample around each alarm; returns the name of one that stops the run."""
         stop = None
         for event in events:
-            append_jsonl(self.run_dir / "alarms.jsonl", event.as_dict())
+            append_jsonl(self.run_dir / ALARMS, event.as_dict())
             path = alarm_sample_path(self.run_dir, event.name, event.step)
             path.parent.mkdir(exist_ok=True)
             shown = trajectories[:max(4, self.cfg.output.sample_trajectories)]

@@ -91,7 +91,8 @@ class Trainer:
         self.cfg = cfg
         self.env_spec = check(cfg, env)  # every component the config names, before any model loads
         """The run's environment kind (keelrl.envs.registry)."""
-        self.train_tasks, self.heldout_tasks = load_task_splits(cfg, self.env_spec)  # a bad file fails now
+        train, heldout = self.env_spec.tasks(cfg)  # a bad task file fails now
+        self.train_tasks, self.heldout_tasks = list(train), list(heldout)
         self.run_dir = Path(cfg.run_dir)
         check_sinks(cfg.log, self.run_dir)  # a missing wandb/mlflow fails now, before the model loads
         self.progress = progress or (lambda event, info: None)
