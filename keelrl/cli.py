@@ -1,4 +1,5 @@
-"""The `keel` command line: `keel algos | config | train | eval | report | view | lab | tasks | model | audit`."""
+"""The `keel` command line: `keel algos | config | train | eval | report | view | lab | tasks | model | precision |
+audit`."""
 
 from __future__ import annotations
 
@@ -144,6 +145,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         bar = progress.add_task("RL", total=cfg.train.steps, latest="warm start + eval...")
 
         def report(event: str, info: dict) -> None:
+            if event == "precision":
+                console.print(info["line"], highlight=False)
+                return
             if not console.is_terminal:  # logs get one plain line per event
                 shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in info.items()
                          if k in ("phase", "step", "epoch", "loss", "demos", "train/reward", "train/success",
@@ -367,6 +371,44 @@ def _cmd_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_precision(args: argparse.Namespace) -> int:
+    from keelrl.policy.download import ModelFetchError
+    from keelrl.policy.model import load_policy, resolve_device
+    from keelrl.policy.precision import USES, measurement, resolve_dtype, table_rows
+
+    try:
+        device = resolve_device(args.device)
+        model, _ = load_policy(args.model, device)
+    except (ModelFetchError, ValueError) as error:
+        print(f"keel: {error}", file=sys.stderr)
+        return 2
+    console = Console(width=max(Console().width, 120))
+    if device.type == "cpu":
+        record = measurement(model, device, refresh=args.refresh)
+        threads = record["threads"]
+        table = Table(title=f"bfloat16 against float32 on {record['key']['cpu']}, {threads['current']} torch "
+                            f"threads (measured {record['measured_at']}, {record['seconds']:.1f} s)")
+        for column in ("probe", "float32 s", "bfloat16 s", "bf16 speed-up"):
+            table.add_column(column, no_wrap=column == "probe")
+        for row in table_rows(record):
+            table.add_row(*row)
+        console.print(table)
+        if "faster" in threads:
+            console.print(f"threads: torch runs {threads['current']} of the {threads['available']} cores this process "
+                          f"may use; the prefill matmul ran faster on {threads['faster']} "
+                          f"({', '.join(f'{n}: {t:.4f} s' for n, t in threads['matmul_256_s'].items())})",
+                          highlight=False)
+        load = record.get("load_average")
+        if load is not None and load > threads["available"]:
+            console.print(f"measured at a load average of {load:.1f} on {threads['available']} cores: other processes "
+                          f"shared them (`keel precision --refresh` on a quiet machine measures again)", highlight=False)
+        console.print(f"cache: {record['path'] or 'off (KEELRL_PRECISION_CACHE=off)'}", highlight=False)
+    for use in USES:
+        _, why = resolve_dtype("auto", use, model, device)
+        console.print(f"{use}=auto: {why}", highlight=False)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="keel", description="keelrl: RL for LLM agents.")
     parser.add_argument("--version", action="version", version=f"keelrl {__version__}")
@@ -428,6 +470,16 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("action", choices=("list", "fetch"))
     model.add_argument("name", nargs="?", help="fetch: the registered model name, e.g. smollm2")
     model.set_defaults(func=_cmd_model)
+
+    from keelrl.config import ModelConfig
+
+    precision = sub.add_parser("precision", help="show (measuring on first use) what eval.dtype, rollout.dtype and "
+                                                 "perf.learner_precision=auto choose on this machine, and why")
+    precision.add_argument("--model", default=ModelConfig.path,
+                           help=f"the model whose shapes are timed (model.path; default {ModelConfig.path})")
+    precision.add_argument("--device", default="cpu", help="the device (CPU: measured; CUDA: bf16, not measured)")
+    precision.add_argument("--refresh", action="store_true", help="measure again and replace the cached figures")
+    precision.set_defaults(func=_cmd_precision)
 
     from keelrl.envs.verifiers import VERIFIERS
 

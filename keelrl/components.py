@@ -22,6 +22,7 @@ from keelrl.config import KeelConfig, LogConfig, ModelConfig, MonitorConfig, Rol
 from keelrl.envs.registry import EnvSpec, resolve_env
 from keelrl.errors import ConfigError
 from keelrl.policy.critic import CRITICS
+from keelrl.policy.decoders import DECODERS
 from keelrl.registry import Registry
 from keelrl.rollout.build import ENGINES
 from keelrl.sinks import SINKS
@@ -32,6 +33,7 @@ def check(cfg: KeelConfig, env: EnvSpec | None = None) -> EnvSpec:
     (`env` when given, else the one registered as env.name). Raises ConfigError."""
     CRITICS.check(cfg.model.critic, "model.critic")
     ENGINES.check(cfg.rollout.engine, "rollout.engine")
+    DECODERS.check(cfg.rollout.decoder, "rollout.decoder")
     unknown = [name for name in cfg.monitor.stop_on if name not in (*ALARMS, "any")]
     if unknown:
         raise ConfigError("monitor.stop_on", f"unknown alarm(s) {unknown}; valid names: {', '.join(ALARMS)}, any")
@@ -44,7 +46,8 @@ def check(cfg: KeelConfig, env: EnvSpec | None = None) -> EnvSpec:
 def choices(cls: type, name: str) -> list[str]:
     """Valid values of field `name` of config section `cls` when it names a registered component, else []."""
     registries: dict[tuple[type, str], Registry[Any]] = {
-        (ModelConfig, "critic"): CRITICS, (RolloutSettings, "engine"): ENGINES, (LogConfig, "sinks"): SINKS,
+        (ModelConfig, "critic"): CRITICS, (RolloutSettings, "engine"): ENGINES,
+        (RolloutSettings, "decoder"): DECODERS, (LogConfig, "sinks"): SINKS,
         (MonitorConfig, "stop_on"): ALARMS}
     if cls is AlgoConfig:
         return choices_for(name)

@@ -128,6 +128,11 @@ class EnvConfig:
         # resolved (keelrl.components.check): Trainer(cfg, env=spec) may bring its own spec.
 
 
+DTYPE_SETTINGS = ("auto", "float32", "bfloat16")
+"""The values of eval.dtype, rollout.dtype and perf.learner_precision (auto: measured,
+keelrl.policy.precision)."""
+
+
 @dataclasses.dataclass
 class RolloutSettings:
     """How episodes are sampled."""
@@ -167,17 +172,36 @@ class RolloutSettings:
     dynamic_max_extra_groups: int = 16
     """Dynamic sampling (algo.dynamic_sampling): at most this many extra groups drawn per step to
     replace groups whose rewards are all equal."""
-    keep_kv: bool = False
+    keep_kv: bool = True
     """Keep each episode's keys and values between its turns (training rollouts and evaluation):
     a turn then runs only its new tokens (the last action token and the observation), not the
-    whole history again. Costs memory: SmolLM2 holds 46 KB a token, 1.5 GB for 32 episodes of 1k
-    tokens. Caches made under older weights are dropped when new weights arrive."""
+    whole history again. The keel decoder keeps them within rollout.kv_budget_mb (SmolLM2 in
+    float32 holds 46 KB a token), evicting the least recently used; keys and values made under
+    older weights are never used."""
     worker_cores: list[int] = dataclasses.field(default_factory=list)
     """Ray: pin rollout worker i to CPU core worker_cores[i % len] with one torch thread (empty:
     wherever the OS runs them). With perf.learner_cores, rollouts and learner never share a core."""
+    dtype: str = "float32"
+    """Weights' dtype of the rollout sampler: float32, bfloat16 or auto (bf16 where its decode step
+    ran faster on this machine and model, measured once and cached: keelrl.policy.precision; bf16
+    on CUDA). float32 by default: sampled by the float32 learner's own weights, fresh importance
+    ratios are 1 up to float rounding. In bf16 the sampler's distribution differs from the
+    learner's, so use a rollout correction (algo.rollout_correction) with it."""
+    decoder: str = "auto"
+    """Which decode engine samples actions (training rollouts and evaluation): keel (keelrl's own
+    decode loop: slot KV cache, continuous batching), hf (HF generate, the reference), or auto
+    (keel where it has the model's forward pass, else hf); see keelrl.policy.decoders."""
+    kv_budget_mb: int = 4096
+    """Memory budget of the decode engine's KV cache in MiB: slots for concurrent sequences and kept
+    multi-turn histories; the least recently used kept history is evicted when over it."""
 
     def __post_init__(self) -> None:
         _cores("worker_cores", self.worker_cores)
+        if self.dtype not in DTYPE_SETTINGS:
+            raise ConfigError("dtype", f"unknown dtype {self.dtype!r}; valid: {', '.join(DTYPE_SETTINGS)}")
+        if not isinstance(self.decoder, str) or not self.decoder.strip():
+            raise ConfigError("decoder", "must name a decode engine (keelrl.policy.decoders), got an empty string")
+        _positive(kv_budget_mb=self.kv_budget_mb)
         _positive(tasks_per_step=self.tasks_per_step, group_size=self.group_size,
                   temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
                   max_context_tokens=self.max_context_tokens, env_threads=self.env_threads,
@@ -246,16 +270,17 @@ class EvalConfig:
     variants share one start."""
     dtype: str = "auto"
     """Weights' dtype when evaluating: float32, bfloat16 (a copy of the current weights is cast
-    for the evaluation; training and rollouts are unaffected) or auto (bf16 on a CPU with
-    AMX-BF16, whose bf16 matrix units make greedy decoding faster than in float32; the policy's
-    own dtype elsewhere). Measured: docs/measurements.md#evaluation-dtype."""
+    for the evaluation; training and rollouts are unaffected) or auto (bf16 where its decode step
+    ran faster than float32's on this machine and model, measured on first use and cached:
+    keelrl.policy.precision, `keel precision`; bf16 on CUDA). The run's precision.json records the
+    choice and why (docs/measurements.md#precision-by-measurement)."""
     temperature: float = 0.0
     """0 = greedy evaluation."""
 
     def __post_init__(self) -> None:
         _positive(every=self.every, tasks=self.tasks)
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ConfigError("dtype", f"unknown dtype {self.dtype!r}; valid: auto, float32, bfloat16")
+        if self.dtype not in DTYPE_SETTINGS:
+            raise ConfigError("dtype", f"unknown dtype {self.dtype!r}; valid: {', '.join(DTYPE_SETTINGS)}")
         if not 0 <= self.temperature < math.inf:
             raise ConfigError("temperature", f"must be >= 0 (and finite), got {self.temperature!r}")
 
@@ -290,10 +315,11 @@ class PerfConfig:
     single longer row runs alone."""
     learner_precision: str = "auto"
     """Precision of the learner's passes (warm start, RL updates, log-prob passes): float32,
-    bfloat16 (autocast; weights and optimizer state stay float32 on CPU) or auto (the weights'
-    own dtype: float32 on CPU, where bf16 autocast ran slower than float32 (measured:
-    docs/measurements.md#learner-precision); bf16 on CUDA). Sampling always runs in the weights'
-    dtype; the output head stays in it too."""
+    bfloat16 (autocast; weights and optimizer state stay float32 on CPU) or auto (bf16 autocast
+    where it ran the learner's micro-batch at least 1.15x faster than float32 on this machine and
+    model, measured on first use and cached: keelrl.policy.precision, `keel precision`; else
+    float32; bf16 on CUDA). The output head stays in the weights' dtype; sampling is
+    rollout.dtype's and eval.dtype's."""
     gradient_checkpointing: bool = False
     """Recompute the policy's layer activations in the backward pass instead of keeping them
     (less memory, about a third more compute per update)."""
@@ -311,9 +337,9 @@ class PerfConfig:
     def __post_init__(self) -> None:
         _cores("learner_cores", self.learner_cores)
         _positive(micro_batch_tokens=self.micro_batch_tokens)
-        if self.learner_precision not in ("auto", "float32", "bfloat16"):
+        if self.learner_precision not in DTYPE_SETTINGS:
             raise ConfigError("learner_precision", f"unknown precision {self.learner_precision!r}; "
-                                                   "valid: auto, float32, bfloat16")
+                                                   f"valid: {', '.join(DTYPE_SETTINGS)}")
 
 
 MOVED = {f"train.{old}": new for old, new in {

@@ -36,11 +36,13 @@ This module imports nothing of keelrl: every layer may use it.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
@@ -261,3 +263,16 @@ def forget_checkpoints(run_dir: str | Path) -> None:
         pointer.unlink()
         _fsync_dir(run_dir)
     shutil.rmtree(run_dir / CHECKPOINTS, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the file `path` (created with its folder): another process
+    asking for it waits until this one is done (building a cached directory, measuring once)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

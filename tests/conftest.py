@@ -3,10 +3,13 @@ directory and the overrides that make a training run quick. Tests import the con
 as `from conftest import SMALL, FAST_RUN, ...`; pytest finds the fixtures by name."""
 
 import os
+import tempfile
 
 # One thread for the torch of every subprocess a test starts too (`keel` runs, bench smoke runs),
 # for the reason below torch.set_num_threads(1).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# precision measurements (eval.dtype=auto) go to a directory of this session, never the user's cache
+os.environ.setdefault("KEELRL_PRECISION_CACHE", tempfile.mkdtemp(prefix="keel-precision-"))
 
 from dataclasses import replace
 from pathlib import Path
@@ -16,7 +19,7 @@ import torch  # after OMP_NUM_THREADS is set
 from hypothesis import settings
 
 from keelrl.rollout.scheduler import EpisodeLimits
-from keelrl.policy.tiny import TinyModelSpec, build_tiny_model, save_tiny_default
+from keelrl.policy.tiny import TinyModelSpec, build_tiny_model, build_tiny_tokenizer, save_tiny_default
 
 # Deterministic examples under CI (CI=true), fresh ones on a developer's machine.
 settings.register_profile("keel", deadline=None, derandomize=os.environ.get("CI") == "true")
@@ -65,3 +68,13 @@ def limits(max_turns: int = 8, max_context_tokens: int = 3072, max_new_tokens: i
     explicit (the library's EpisodeLimits has no defaults; a run's come from its config)."""
     return EpisodeLimits(max_turns=max_turns, max_context_tokens=max_context_tokens, max_new_tokens=max_new_tokens,
                          env_threads=env_threads, interruptible=interruptible, label_steps=label_steps)
+
+
+@pytest.fixture(scope="module")
+def policy():
+    """The byte tokenizer and a float64 tiny Qwen2 (2 layers, 4 heads over 2 kv heads) for
+    sampling tests that compare paths at float64 rounding."""
+    tokenizer = build_tiny_tokenizer()
+    spec = TinyModelSpec(layers=2, hidden=32, heads=4, kv_heads=2, intermediate=48, max_positions=512, seed=3)
+    model = build_tiny_model(spec, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id).double().eval()
+    return model, tokenizer

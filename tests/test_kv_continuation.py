@@ -11,17 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import limits
 from keelrl.policy.sampling import RowCache, SamplingConfig, draw_uniforms, sample
-from keelrl.policy.tiny import TinyModelSpec, build_tiny_model, build_tiny_tokenizer
-
-
-@pytest.fixture(scope="module")
-def policy():
-    tokenizer = build_tiny_tokenizer()
-    spec = TinyModelSpec(layers=2, hidden=32, heads=4, kv_heads=2, intermediate=48, max_positions=512, seed=3)
-    model = build_tiny_model(spec, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id).double().eval()
-    return model, tokenizer
 
 
 def _uniforms(seed: int, rows: int, n: int) -> torch.Tensor:
@@ -73,31 +63,6 @@ def test_a_cache_of_another_history_is_ignored(policy):
     fresh = sample(model, tokenizer, [other], SamplingConfig(temperature=1.0, max_new_tokens=4, stop=()),
                    uniforms=_uniforms(2, 1, 4))[0]
     assert reused.token_ids == fresh.token_ids and reused.recomputed == len(other)
-
-
-def test_keep_kv_rollouts_equal_plain_rollouts_and_prefill_less(tmp_path):
-    """Through the scheduler on the guessing game: the same trajectories, fewer prefilled tokens."""
-    from keelrl.envs.guess import GuessEnvFactory, guess_tasks
-    from keelrl.policy.model import load_policy
-    from keelrl.policy.tiny import save_tiny_default
-    from keelrl.rollout.agent_loop import run_episodes, model_actor
-
-    model_dir = save_tiny_default(tmp_path / "m", TinyModelSpec(layers=2, hidden=32, heads=4, kv_heads=2,
-                                                               intermediate=48, max_positions=1024, seed=1))
-    model, tokenizer = load_policy(str(model_dir), "cpu")
-    model = model.double().eval()
-    tasks = guess_tasks(6, n=20, seed=0)
-    rollout = limits(max_turns=4, max_context_tokens=1000, max_new_tokens=12, env_threads=2)
-    runs = {}
-    for keep in (False, True):
-        cfg = SamplingConfig(temperature=1.0, max_new_tokens=12, keep_kv=keep)
-        runs[keep] = run_episodes(GuessEnvFactory(4, "strong"), tasks, tokenizer, model_actor(model, tokenizer, cfg),
-                                  rollout, seed=7)
-    for a, b in zip(runs[False], runs[True]):
-        assert a.token_ids == b.token_ids and a.reward == b.reward
-        torch.testing.assert_close(torch.tensor(a.behaviour_logprobs), torch.tensor(b.behaviour_logprobs),
-                                   rtol=0, atol=1e-9)
-    assert sum(len(t.actions) for t in runs[True]) > len(tasks)  # several turns: there was a history to keep
 
 
 def test_min_new_tokens_holds_end_tokens_back_in_every_path(policy):

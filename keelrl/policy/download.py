@@ -31,10 +31,8 @@ transformers call is `local_files_only=True`, the per-call form of `HF_HUB_OFFLI
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import datetime
-import fcntl
 import hashlib
 import json
 import os
@@ -45,11 +43,12 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from keelrl.runs import exclusive_lock
 from keelrl.registry import Registry
 
 MARKER = "keelrl-model.json"
@@ -229,23 +228,10 @@ class _Phases:
             self._progress.stop()
 
 
-@contextlib.contextmanager
-def _locked(directory: Path) -> Iterator[None]:
-    """Hold an exclusive lock for building `directory` (other processes wait, then find it built)."""
-    locks = directory.parent / ".locks"
-    locks.mkdir(parents=True, exist_ok=True)
-    with open(locks / f"{directory.name}.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def _build_atomically(directory: Path, name: str, source_sha256: str | None, build: Callable[[Path, _Phases], None],
                       phases: list[str], progress: bool) -> Path:
     """Run `build(tmp, phases)` into a temporary sibling, write the marker last, rename into place."""
-    with _locked(directory):
+    with exclusive_lock(directory.parent / ".locks" / f"{directory.name}.lock"):
         if _is_complete(directory, name, source_sha256):  # another process built it while we waited
             return directory
         # We hold the lock, so any scratch sibling is left over from a killed build.

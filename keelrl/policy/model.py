@@ -68,7 +68,8 @@ LEARNER_PRECISIONS = ("auto", "float32", "bfloat16")
 
 @functools.lru_cache(maxsize=None)
 def cpu_has_amx_bf16() -> bool:
-    """True when this CPU multiplies bf16 matrices in hardware (Intel AMX-BF16)."""
+    """True when this CPU multiplies bf16 matrices in hardware (Intel AMX-BF16). A flag, not a speed:
+    the dtype choices of auto settings are measured instead (keelrl.policy.precision)."""
     try:
         return " amx_bf16" in Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -79,14 +80,16 @@ def learner_autocast(device: torch.device, precision: str = "auto") -> contextli
     """The autocast context of the learner's forward/backward passes.
 
     float32: none. bfloat16: bf16 autocast on `device` (weights and optimizer state stay in their
-    own dtype, float32 on CPU). auto: none: on a CPU float32 ran faster than bf16 autocast
-    (measured with `bench/bench_learner.py`: docs/measurements.md#learner-precision), and a CUDA
-    model is loaded in bf16 already.
+    own dtype, float32 on CPU). auto is a measurement on the model's shapes, resolved before it
+    gets here (`keelrl.policy.precision.resolve_dtype("auto", "learner", model, device)`: the
+    Trainer resolves it once); here it raises.
     """
     if precision not in LEARNER_PRECISIONS:
         raise ValueError(f"learner precision {precision!r}; valid: {', '.join(LEARNER_PRECISIONS)}")
-    use_bf16 = precision == "bfloat16"
-    if not use_bf16:
+    if precision == "auto":
+        raise ValueError("learner precision 'auto' is measured on the model's shapes: resolve it first with "
+                         "keelrl.policy.precision.resolve_dtype('auto', 'learner', model, device)")
+    if precision == "float32":
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 

@@ -48,6 +48,14 @@ class SamplingConfig:
     keep_kv: bool = False
     """Keep each row's keys and values after a turn (`Sample.cache`), so the next turn of the same
     episode runs only its new tokens (the last action token and the observation)."""
+    decoder: str = "auto"
+    """The decode engine (`keelrl.policy.decoders.DECODERS`): keel, hf or auto."""
+    dtype: Any = None
+    """The decoder's dtype (a torch.dtype; None: the model's own)."""
+    kv_budget_mb: int = 4096
+    """The keel decoder's memory for keys and values: its slots and the kept histories."""
+    max_batch: int = 64
+    """Sequences the keel decoder decodes at once."""
 
 
 @dataclass
@@ -64,6 +72,8 @@ class RowCache:
     keys: list[Tensor]
     """Per layer [kv_heads, n, head_dim]."""
     values: list[Tensor]
+    made_under: Any = None
+    """The weights they were made under, when a decoder records it (`keelrl.policy.decoders`)."""
 
     def covers(self, context: Sequence[int]) -> bool:
         """Whether these are the keys and values of a proper prefix of `context`."""
@@ -80,8 +90,9 @@ class Sample:
     text: str
     stopped: str
     """stop (a stop string or end token) | length (max_new_tokens)."""
-    cache: RowCache | None = None
-    """With `SamplingConfig.keep_kv`: this row's keys and values for its next turn."""
+    cache: Any = None
+    """With `SamplingConfig.keep_kv`: this row's keys and values for its next turn (a `RowCache`,
+    or a decoder's handle on keys and values it keeps)."""
     recomputed: int = 0
     """Context tokens this call ran through the model for the row: its prefill (a context shared by
     several rows is prefilled on its first row; the others run only its last token)."""

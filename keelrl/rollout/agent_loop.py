@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from keelrl.envs.base import Turn
-from keelrl.policy.sampling import SamplingConfig, draw_uniforms, sample
+from keelrl.policy.sampling import SamplingConfig, draw_uniforms
 from keelrl.rollout.scheduler import (ActFn, EpisodeInFlight, EpisodeScheduler, GroupRequest, EpisodeLimits,
                                       observation_tokens, prompt_tokens)
 from keelrl.rollout.trajectory import Trajectory
@@ -49,8 +49,13 @@ def model_actor(model: Any, tokenizer: Any, sampling: SamplingConfig) -> ActFn:
     """An ActFn that samples every waiting episode's next action from `model` in one batch.
 
     Each episode draws its uniforms from its own generator, so its actions do not depend on the
-    batch it shares.
+    batch it shares. The decoder (`sampling.decoder`) is built once and kept across calls, so an
+    episode's kept keys and values (`sampling.keep_kv`) serve its next turn.
     """
+    from keelrl.policy.decoders import build_decoder
+
+    decoder = build_decoder(sampling.decoder, model, tokenizer, dtype=sampling.dtype, max_batch=sampling.max_batch,
+                            kv_budget_mb=sampling.kv_budget_mb)
 
     def act(active: Sequence[EpisodeInFlight]) -> list[tuple[list[int], list[float], str]]:
         import torch
@@ -62,13 +67,14 @@ def model_actor(model: Any, tokenizer: Any, sampling: SamplingConfig) -> ActFn:
                              f"max_new_tokens): an action could overflow max_context_tokens")
         uniforms = torch.stack([draw_uniforms(episode.generator, sampling.max_new_tokens) for episode in active])
         caches = [episode.kv for episode in active] if sampling.keep_kv else None
-        samples = sample(model, tokenizer, [episode.trajectory.token_ids for episode in active], sampling,
-                         uniforms=uniforms, caches=caches)
+        samples = decoder.generate([episode.trajectory.token_ids for episode in active], sampling, uniforms,
+                                   caches=caches)
         for episode, s in zip(active, samples):
             episode.kv = s.cache
             episode.recomputed += s.recomputed
         return [(s.token_ids, s.logprobs, s.text) for s in samples]
 
+    act.decoder = decoder  # type: ignore[attr-defined]  # its cache_usage() and counters, for logs and benchmarks
     return act
 
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from keelrl.config import KeelConfig
-from keelrl.policy.model import cpu_has_amx_bf16
+from keelrl.policy.precision import resolve_dtype
 from keelrl.policy.prefix import chunked_token_logprobs
 from keelrl.policy.sampling import SamplingConfig
 from keelrl.rollout.agent_loop import EpisodeLimits, model_actor, run_episodes
@@ -100,10 +100,10 @@ class Evaluator:
 
     def eval_model(self) -> Any:
         """The policy as evaluation samples it: itself, or a copy of its current weights in
-        `eval.dtype` (auto: bf16 on a CPU with AMX, else the policy's dtype); the
-        evaluation needs no behaviour log-probs to match the learner's."""
-        auto = torch.bfloat16 if self.device.type == "cpu" and cpu_has_amx_bf16() else self.model.dtype
-        wanted = {"auto": auto, "float32": torch.float32, "bfloat16": torch.bfloat16}[self.cfg.eval.dtype]
+        `eval.dtype` (auto: the faster of bf16 and float32 at decoding, as measured on this machine
+        and model: `keelrl.policy.precision.resolve_dtype`); the evaluation needs no behaviour
+        log-probs to match the learner's."""
+        wanted, _ = resolve_dtype(self.cfg.eval.dtype, "eval", self.model, self.device)
         if wanted == self.model.dtype:
             return self.model
         if self._copy is None:
@@ -115,7 +115,8 @@ class Evaluator:
         """Held-out success with the strong verifier, one attempt per task of `tasks`."""
         tasks = list(tasks)
         sampling = SamplingConfig(temperature=self.cfg.eval.temperature, top_p=1.0,
-                                  max_new_tokens=self.cfg.rollout.max_new_tokens, keep_kv=self.cfg.rollout.keep_kv)
+                                  max_new_tokens=self.cfg.rollout.max_new_tokens, keep_kv=self.cfg.rollout.keep_kv,
+                                  decoder=self.cfg.rollout.decoder, kv_budget_mb=self.cfg.rollout.kv_budget_mb)
         self.model.eval()
         trajectories = run_episodes(self.make_env, tasks, self.tokenizer,
                                     model_actor(self.eval_model(), self.tokenizer, sampling),

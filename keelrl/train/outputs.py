@@ -1,7 +1,10 @@
 """What a run writes besides its checkpoints: each step's metrics row, samples, episodes and
-alarms, and the summary at the end (the files are laid out by keelrl.runs).
+alarms, the run's resolved precision, and the summary at the end (the files are laid out by
+keelrl.runs; precision.json by `PRECISION` here).
 
 - `step_metrics`: the step's row from its trajectories, its updates and its timings;
+- `RunOutputs.write_precision`: precision.json (the dtypes eval.dtype and perf.learner_precision
+  came to on this machine, and why);
 - `RunOutputs.write_step`: samples/ (a few trajectories as text) and episodes/ (the viewer's
   token-level view, `keelrl.train.episodes`);
 - `RunOutputs.raise_alarms`: alarms.jsonl and the trajectories sampled around each alarm;
@@ -28,6 +31,10 @@ from keelrl.runs import (ALARMS, SUMMARY, alarm_sample_path, append_jsonl, atomi
                          write_episodes)
 from keelrl.train.episodes import TokenRecord, episode_rows
 from keelrl.train.evaluation import action_error_frac, context_limit_frac, finite_or_none, paired_difference
+
+
+PRECISION = "precision.json"
+"""The run's resolved dtypes and why, rewritten by every start and resume (the machine may differ)."""
 
 
 def memory_metrics(device: torch.device) -> dict[str, float]:
@@ -91,6 +98,11 @@ class RunOutputs:
                  progress: Callable[[str, dict[str, Any]], None]) -> None:
         self.cfg, self.run_dir, self.tokenizer, self.task_kinds, self.progress = (cfg, run_dir, tokenizer,
                                                                                   task_kinds, progress)
+
+    def write_precision(self, resolved: dict[str, Any]) -> None:
+        """precision.json: what the run's dtype settings came to on this machine and why
+        (`keelrl.train.trainer.resolve_precision`); config.yaml keeps the settings as given."""
+        atomic_write_text(self.run_dir / PRECISION, json.dumps(resolved, indent=2))
 
     def write_step(self, step: int, trajectories: Sequence[Trajectory], used: Sequence[Trajectory] = (),
                    advantages: torch.Tensor | None = None, record: TokenRecord | None = None) -> None:

@@ -22,10 +22,16 @@ sampling seeds are functions of (seed, step) (keelrl.train.requests), so a resum
 exactly what an uninterrupted one would have done. Every step logs memory/peak_rss_gb (a
 high-water mark of the process), memory/rss_gb and, on CUDA, memory/cuda_peak_gb (peak since
 the previous step's row).
+
+What eval.dtype and perf.learner_precision come to on this machine (auto: measured once per
+machine, thread count and model shape, keelrl.policy.precision) is resolved when the Trainer is
+built, printed as one "precision: ..." line and written to precision.json at every start and
+resume; config.yaml keeps the settings as given, so a run resumed elsewhere measures there.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from pathlib import Path
@@ -41,6 +47,7 @@ from keelrl.envs.tasks import Task
 from keelrl.metrics import MetricsLogger
 from keelrl.policy.critic import build_critic
 from keelrl.policy.model import load_policy, pin_to_cores, resolve_device
+from keelrl.policy.precision import measurement, resolve_dtype
 from keelrl.policy.sampling import SamplingConfig
 from keelrl.rollout.agent_loop import EpisodeLimits, model_actor, run_episodes
 from keelrl.rollout.build import build_engine
@@ -61,6 +68,32 @@ from keelrl.train.outputs import RunOutputs, episode_metrics, memory_metrics
 from keelrl.train.prm import ProcessRewardModel
 from keelrl.train.requests import RequestStream
 from keelrl.train.warm_start import warm_start
+
+
+def resolve_precision(cfg: KeelConfig, model: Any, device: torch.device) -> dict[str, Any]:
+    """{"eval": ..., "rollout": ..., "learner": ...}, each {"setting", "dtype", "why"}: eval.dtype,
+    rollout.dtype and perf.learner_precision resolved for `model` on `device` (auto: measured on first use and cached,
+    keelrl.policy.precision), with the measurement's timings when one was used."""
+    settings = {"eval": cfg.eval.dtype, "rollout": cfg.rollout.dtype, "learner": cfg.perf.learner_precision}
+    resolved: dict[str, Any] = {}
+    record = measurement(model, device) if device.type == "cpu" and "auto" in settings.values() else None
+    for use, setting in settings.items():
+        if setting == "auto" and record is not None:  # the same record resolve_dtype would read, read once
+            choice = record["choices"][use]
+            resolved[use] = {"setting": setting, "dtype": choice["dtype"], "why": choice["why"]}
+        else:
+            dtype, why = resolve_dtype(setting, use, model, device)
+            resolved[use] = {"setting": setting, "dtype": str(dtype).removeprefix("torch."), "why": why}
+    if record is not None:
+        resolved["measurement"] = {name: record.get(name) for name in ("path", "measured_at", "load_average",
+                                                                      "threads", "timings_s", "skipped")}
+    return resolved
+
+
+def precision_line(resolved: dict[str, Any]) -> str:
+    """One line for the console: "precision: eval bfloat16 (why), learner float32 (why)"."""
+    return "precision: " + ", ".join(f"{use} {resolved[use]['dtype']} ({resolved[use]['why']})"
+                                     for use in ("eval", "learner"))
 
 
 def load_task_splits(cfg: KeelConfig, env: EnvSpec | None = None) -> tuple[list[Any], list[Any]]:
@@ -129,7 +162,11 @@ class Trainer:
             self.curriculum = Curriculum([levels.get(getattr(task, "kind", ""), 0) for task in self.train_tasks],
                                          cfg.curriculum, seed=cfg.seed)
         self.requests = RequestStream(cfg, self.train_tasks, self.curriculum, has_teacher=self.teacher is not None)
-        self.learner = Learner(cfg, self.model, self.value_head, self.teacher, self.device)
+        self.precision = resolve_precision(cfg, self.model, self.device)
+        """What eval.dtype and perf.learner_precision came to on this machine, and why (precision.json)."""
+        learner_cfg = dataclasses.replace(cfg, perf=dataclasses.replace(
+            cfg.perf, learner_precision=self.precision["learner"]["dtype"]))  # learner_autocast takes no auto
+        self.learner = Learner(learner_cfg, self.model, self.value_head, self.teacher, self.device)
         self.advantages = AdvantageStage(cfg, self.model, self.value_head, self.reference, self.prm, self.teacher,
                                          self.learner.autocast)
         self.run_dir.mkdir(parents=True, exist_ok=True)  # exists before a sandbox hides it
@@ -181,7 +218,8 @@ class Trainer:
         """How training rollouts sample actions (override for other stop strings, as bench/ does)."""
         r = self.cfg.rollout
         return SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                              keep_kv=r.keep_kv)
+                              keep_kv=r.keep_kv, decoder=r.decoder, dtype=getattr(torch, self.precision["rollout"]["dtype"]),
+                              kv_budget_mb=r.kv_budget_mb)
 
     def make_engine(self, last_step: int | None = None) -> RolloutEngine:
         """The configured rollout engine over this trainer's policy and training environment; it
@@ -331,6 +369,8 @@ class Trainer:
         else:
             forget_checkpoints(self.run_dir)  # first: no later resume may mix the old run's files with ours
         atomic_write_text(self.run_dir / CONFIG, dump_config(self.cfg))
+        self.outputs.write_precision(self.precision)
+        self.progress("precision", {**self.precision, "line": precision_line(self.precision)})
         logger = MetricsLogger(self.run_dir, self.cfg.log, config=to_dict(self.cfg),
                                resume_after=self.step if resume else None)
         with logger:  # closes every sink, telling W&B and MLflow whether the run failed

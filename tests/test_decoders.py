@@ -1,0 +1,287 @@
+"""The decoder contract (keelrl.policy.decoders), run against every registered decoder, and the
+keel decoder's own machinery (continuous batching, chunked prefill, shared prefixes, kept
+histories, eviction) checked against the same reference.
+
+The reference is a plain loop written here: one row at a time, the whole sequence through the
+model with no cache at every step, the last position's logits in float32 (as HF's scores), then
+temperature, top-p, the row's own uniform and the inverse CDF; the row ends after its first end
+token, after the token completing a stop string, or at max_new_tokens. The model is a float64
+tiny Qwen2, so a decoder must give the same tokens and log-probs within 1e-6 (the logits are
+float32, as the sampler's are).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from keelrl.policy.decode import KeelDecoder, KeptKV, UnsupportedModelError
+from keelrl.policy.decoders import DECODERS, build_decoder
+from keelrl.policy.sampling import SamplingConfig, draw_uniforms, end_token_ids
+from keelrl.policy.tiny import TinyModelSpec, build_tiny_tokenizer
+from keelrl.registry import UnknownNameError
+
+CONCRETE = [name for name in DECODERS if name != "auto"]
+
+
+def reference(model, tokenizer, contexts, cfg: SamplingConfig, uniforms):
+    """Plain loop, no cache: (tokens, logprobs, stopped) per row."""
+    ends = set(end_token_ids(tokenizer))
+    out = []
+    for row, context in enumerate(contexts):
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        stopped = False
+        while len(tokens) < cfg.max_new_tokens:
+            ids = torch.tensor([list(context) + tokens])
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits[0, -1].float()
+            if len(tokens) < cfg.min_new_tokens:
+                logits[list(ends)] = float("-inf")
+            if cfg.temperature > 0:
+                logits = logits / cfg.temperature
+                if cfg.top_p < 1.0:
+                    order = logits.argsort(descending=True)
+                    probs = logits[order].softmax(-1)
+                    mass = 0.0
+                    for rank, index in enumerate(order.tolist()):
+                        if mass > cfg.top_p:  # the smallest set of top tokens reaching top_p stays
+                            logits[index] = float("-inf")
+                        mass += float(probs[rank])
+                logp = torch.log_softmax(logits, -1)
+                cdf = logp.exp().cumsum(-1)
+                token = int(torch.searchsorted(cdf, uniforms[row, len(tokens)] * cdf[-1:]).clamp(max=len(cdf) - 1))
+            else:
+                logp = torch.log_softmax(logits, -1)
+                token = int(logits.argmax())
+            tokens.append(token)
+            logprobs.append(float(logp[token]))
+            text = tokenizer.decode(tokens, skip_special_tokens=False)
+            if token in ends or any(s in text for s in cfg.stop):
+                stopped = True
+                break
+        out.append((tokens, logprobs, stopped))
+    return out
+
+
+def _uniforms(seed: int, rows: int, n: int) -> torch.Tensor:
+    return draw_uniforms(torch.Generator().manual_seed(seed), rows * n).view(rows, n)
+
+
+def _prompts(seed: int = 0, head: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    common = torch.randint(5, 200, (head,), generator=g).tolist()
+    prompts = [common + torch.randint(5, 200, (n,), generator=g).tolist() for n in (9, 17, 17, 4, 30, 2)]
+    prompts[2] = list(prompts[1])  # a group of two: one prefill
+    return prompts
+
+
+def _same(samples, expected) -> None:
+    for sample, (tokens, logprobs, stopped) in zip(samples, expected, strict=True):
+        assert sample.token_ids == tokens
+        assert sample.stopped == ("stop" if stopped else "length")
+        torch.testing.assert_close(torch.tensor(sample.logprobs, dtype=torch.float64),
+                                   torch.tensor(logprobs, dtype=torch.float64), rtol=0, atol=1e-6)
+        assert all(isinstance(lp, float) for lp in sample.logprobs)
+
+
+# ---------------------------------------------------------------------- the contract, every decoder
+@pytest.mark.parametrize("name", CONCRETE)
+@pytest.mark.parametrize("temperature,top_p,stop,min_new", [(1.0, 1.0, (), 0), (0.0, 1.0, (), 0),
+                                                           (0.7, 0.8, ("ab", "c"), 0), (1.0, 1.0, ("e",), 4)])
+def test_decoder_samples_what_the_plain_loop_samples(policy, name, temperature, top_p, stop, min_new):
+    model, tokenizer = policy
+    cfg = SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=10, stop=stop, min_new_tokens=min_new)
+    prompts = _prompts()
+    uniforms = _uniforms(1, len(prompts), 10)
+    decoder = build_decoder(name, model, tokenizer)
+    _same(decoder.generate(prompts, cfg, uniforms), reference(model, tokenizer, prompts, cfg, uniforms))
+
+
+@pytest.mark.parametrize("name", CONCRETE)
+def test_a_rows_tokens_do_not_depend_on_its_batch(policy, name):
+    model, tokenizer = policy
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=8, stop=())
+    prompts = _prompts(2)
+    uniforms = _uniforms(3, len(prompts), 8)
+    decoder = build_decoder(name, model, tokenizer)
+    together = decoder.generate(prompts, cfg, uniforms)
+    for row in (0, 4):
+        alone = decoder.generate([prompts[row]], cfg, uniforms[row:row + 1])[0]
+        assert alone.token_ids == together[row].token_ids
+        torch.testing.assert_close(torch.tensor(alone.logprobs), torch.tensor(together[row].logprobs), rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", CONCRETE)
+def test_caches_from_the_last_turn_change_no_token(policy, name):
+    """Three turns with keep_kv equal three turns from scratch; later turns prefill only the new tokens."""
+    model, tokenizer = policy
+    decoder = build_decoder(name, model, tokenizer)
+    g = torch.Generator().manual_seed(0)
+    prompts = _prompts(4)
+    observations = [torch.randint(5, 200, (n,), generator=g).tolist() for n in (3, 6, 1, 8, 2, 5)]
+    kept = SamplingConfig(temperature=1.0, max_new_tokens=6, stop=(), keep_kv=True)
+    plain = SamplingConfig(temperature=1.0, max_new_tokens=6, stop=())
+    contexts = [list(p) for p in prompts]
+    caches = [None] * len(prompts)
+    for turn in range(3):
+        uniforms = _uniforms(turn, len(prompts), 6)
+        samples = decoder.generate(contexts, kept, uniforms, caches=caches)
+        _same(samples, reference(model, tokenizer, contexts, plain, uniforms))
+        if turn:
+            assert [s.recomputed for s in samples] == [len(o) + 1 for o in observations]
+        for s, context in zip(samples, contexts):
+            assert s.cache is not None and s.cache.covers(context + s.token_ids + [7])
+        caches = [s.cache for s in samples]
+        contexts = [c + s.token_ids + o for c, s, o in zip(contexts, samples, observations)]
+
+
+@pytest.mark.parametrize("name", CONCRETE)
+def test_new_weights_are_sampled_and_old_caches_never_used(policy, name):
+    model, tokenizer = policy
+    model = type(model)(model.config).double().eval()
+    model.load_state_dict(policy[0].state_dict())
+    decoder = build_decoder(name, model, tokenizer)
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=6, stop=(), keep_kv=True)
+    prompts = _prompts(5)
+    uniforms = _uniforms(6, len(prompts), 6)
+    first = decoder.generate(prompts, cfg, uniforms)
+    other = {k: v + 0.05 * torch.randn(v.shape, generator=torch.Generator().manual_seed(9), dtype=v.dtype)
+             for k, v in model.state_dict().items()}
+    decoder.load_weights(other)
+    contexts = [p + s.token_ids + [11, 12] for p, s in zip(prompts, first)]
+    again = decoder.generate(contexts, cfg, uniforms, caches=[s.cache for s in first])
+    _same(again, reference(model, tokenizer, contexts, cfg, uniforms))
+    assert [s.recomputed for s in again] != [3] * len(prompts)  # the old keys and values were not reused
+    usage = decoder.cache_usage()
+    assert usage and all(isinstance(v, float) for v in usage.values())
+
+
+def test_every_decoder_is_in_the_contract_test():
+    assert set(CONCRETE) == {"keel", "hf"}
+    with pytest.raises(UnknownNameError, match="keel"):
+        build_decoder("vllm", None, None)
+
+
+# ---------------------------------------------------------------------- the keel decoder
+@pytest.mark.parametrize("max_batch,prefill_tokens,head", [(1, 512, 0), (2, 3, 0), (64, 7, 20), (3, 512, 20)])
+def test_continuous_batching_and_chunked_prefill_change_no_token(policy, max_batch, prefill_tokens, head):
+    """Few slots (finished rows' slots refilled from the queue), prefill in small chunks beside
+    decoding rows, and a prefix common to every row prefilled once: the same samples."""
+    model, tokenizer = policy
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=9, stop=("a",))
+    prompts = _prompts(7, head=head)
+    uniforms = _uniforms(8, len(prompts), 9)
+    decoder = KeelDecoder(model, tokenizer, max_batch=max_batch, prefill_tokens=prefill_tokens)
+    samples = decoder.generate(prompts, cfg, uniforms)
+    _same(samples, reference(model, tokenizer, prompts, cfg, uniforms))
+    distinct = sum(len(p) for i, p in enumerate(prompts) if p not in prompts[:i])
+    shared = head * (len({tuple(p) for p in prompts}) - 1)  # the common head ran once
+    assert decoder.stats["prefill_tokens"] == distinct - shared + 1  # + the group's second row's last token
+    assert decoder.cache_usage()["slots"] <= max_batch
+
+
+def test_the_budget_evicts_the_least_recently_used_history(policy):
+    model, tokenizer = policy
+    decoder = KeelDecoder(model, tokenizer, max_batch=2, kv_budget_mb=1)
+    per_token = decoder.token_bytes
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=5, stop=(), keep_kv=True)
+    prompts = [[5 + i] * 40 for i in range(4)]
+    decoder.budget = per_token * (2 * 46 + 2 * 44)  # two slots of 45 tokens and two kept histories of 44
+    first = decoder.generate(prompts, cfg, _uniforms(0, 4, 5))
+    usage = decoder.cache_usage()
+    assert usage["kept"] == 2 and decoder.stats["evicted"] == 2
+    assert usage["kept_mb"] * 2**20 <= decoder.budget - usage["slot_mb"] * 2**20
+    contexts = [p + s.token_ids + [9] for p, s in zip(prompts, first)]
+    again = decoder.generate(contexts, cfg, _uniforms(1, 4, 5), caches=[s.cache for s in first])
+    _same(again, reference(model, tokenizer, contexts, cfg, _uniforms(1, 4, 5)))
+    lengths = [len(c) for c in contexts]
+    assert [s.recomputed for s in again][:2] == lengths[:2]  # the two evicted first: prefilled in full
+    assert [s.recomputed for s in again][2:] == [2, 2]
+
+
+def test_kept_handles_name_their_tokens(policy):
+    model, tokenizer = policy
+    decoder = KeelDecoder(model, tokenizer)
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=4, stop=(), keep_kv=True)
+    sample = decoder.generate([[5, 6, 7]], cfg, _uniforms(0, 1, 4))[0]
+    assert isinstance(sample.cache, KeptKV)
+    assert sample.cache.token_ids == (5, 6, 7) + tuple(sample.token_ids[:-1])
+    assert not sample.cache.covers([5, 6, 7])
+
+
+def test_bfloat16_decoding_keeps_float32_logits(policy):
+    model, tokenizer = policy
+    decoder = KeelDecoder(model, tokenizer, dtype=torch.bfloat16)
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=6, stop=())
+    samples = decoder.generate(_prompts(), cfg, _uniforms(0, 6, 6))
+    assert decoder.weights().head.dtype == torch.bfloat16
+    assert all(len(s.token_ids) == 6 and all(lp <= 0 and lp == lp for lp in s.logprobs) for s in samples)
+
+
+def test_models_without_a_forward_pass_here_name_the_way_out():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tokenizer = build_tiny_tokenizer()
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=16, n_layer=1, n_head=2)).eval()
+    with pytest.raises(UnsupportedModelError, match="rollout.decoder=hf"):
+        KeelDecoder(gpt2, tokenizer)
+    auto = build_decoder("auto", gpt2, tokenizer)
+    assert type(auto).__name__ == "HFDecoder"
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=3, stop=())
+    assert len(auto.generate([[5, 6]], cfg, _uniforms(0, 1, 3))[0].token_ids) >= 1
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_stop_strings_spanning_tokens(policy, seed):
+    """Stop strings of several bytes, completed across token boundaries, end a row where the
+    decoded text first holds one."""
+    model, tokenizer = policy
+    stops = tuple("".join(p) for p in itertools.product("abcdefgh", repeat=2))[seed::3]
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=30, stop=stops)
+    prompts = _prompts(seed + 10)
+    uniforms = _uniforms(seed, len(prompts), 30)
+    samples = KeelDecoder(model, tokenizer).generate(prompts, cfg, uniforms)
+    _same(samples, reference(model, tokenizer, prompts, cfg, uniforms))
+
+
+def test_multi_turn_episodes_are_the_same_with_every_decoder(tmp_path):
+    """Through the scheduler on the guessing game (several turns an episode, kept histories):
+    each decoder gives the same trajectories as hf without kept histories; keel prefills less."""
+    from conftest import limits
+    from keelrl.envs.guess import GuessEnvFactory, guess_tasks
+    from keelrl.policy.model import load_policy
+    from keelrl.policy.tiny import save_tiny_default
+    from keelrl.rollout.agent_loop import model_actor, run_episodes
+
+    model_dir = save_tiny_default(tmp_path / "m", TinyModelSpec(layers=2, hidden=32, heads=4, kv_heads=2,
+                                                               intermediate=48, max_positions=1024, seed=1))
+    model, tokenizer = load_policy(str(model_dir), "cpu")
+    model = model.double().eval()
+    tasks = guess_tasks(6, n=20, seed=0)
+    rollout = limits(max_turns=4, max_context_tokens=1000, max_new_tokens=12, env_threads=2)
+    runs, prefilled = {}, {}
+    for name, keep in (("hf", False), ("hf", True), ("keel", False), ("keel", True)):
+        cfg = SamplingConfig(temperature=1.0, max_new_tokens=12, keep_kv=keep, decoder=name, max_batch=3)
+        act = model_actor(model, tokenizer, cfg)
+        runs[name, keep] = run_episodes(GuessEnvFactory(4, "strong"), tasks, tokenizer, act, rollout, seed=7)
+        prefilled[name, keep] = act.decoder.cache_usage().get("prefill_tokens")
+    base = runs["hf", False]
+    assert sum(len(t.actions) for t in base) > len(tasks)  # several turns: there was a history to keep
+    for key, trajectories in runs.items():
+        for a, b in zip(base, trajectories, strict=True):
+            assert a.token_ids == b.token_ids and a.reward == b.reward, key
+            torch.testing.assert_close(torch.tensor(a.behaviour_logprobs), torch.tensor(b.behaviour_logprobs),
+                                       rtol=0, atol=1e-6)
+    assert prefilled["keel", True] < prefilled["keel", False]
+
+
+def test_an_unknown_decoder_fails_at_config_time_naming_the_field():
+    from keelrl.components import check
+    from keelrl.config import load_config
+    from keelrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="rollout.decoder.*keel"):
+        check(load_config(overrides=["rollout.decoder=vllm"]))
