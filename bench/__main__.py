@@ -28,10 +28,12 @@ BENCHES: dict[str, tuple[str, str]] = {
     "trl": ("bench.bench_trl", "End-to-end GRPO step against TRL's GRPOTrainer"),
     "kernel": ("bench.bench_kernel", "Log-prob and entropy kernel against a full log-softmax"),
     "sampler": ("bench.bench_sampler", "Sampler against HF generate"),
+    "engine": ("bench.bench_engine", "Decode engine against HF generate and llama.cpp"),
     "async": ("bench.bench_async", "Sync against async rollouts"),
     "async_heldout": ("bench.bench_async_heldout", "Sync against async on the coding environment, held-out success"),
     "scaling": ("bench.bench_scaling", "Scaling curves"),
     "gpu": ("bench.gpu", "GPU profile"),
+    "mismatch": ("bench.bench_mismatch", "Sampler/learner precision mismatch and the rollout corrections"),
 }
 """name -> (module, title), in the order they run and are reported."""
 

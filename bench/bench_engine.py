@@ -207,20 +207,21 @@ def llamacpp_row(model_dir: Path, model: Any, tokenizer: Any, prompts: list[list
     uniforms = draw_uniforms(torch.Generator().manual_seed(0), len(prompts) * new).view(len(prompts), new)
     decoder = KeelDecoder(model, tokenizer, max_batch=batch)
     decoder.generate(prompts[:2], SamplingConfig(temperature=0.0, max_new_tokens=2, stop=()), uniforms[:2])
-    llamacpp_generate(gguf, prompts[:2], 2, min(batch, 2), threads)  # warm-up
+    ends = list(decoder.end_ids)
+    llamacpp_generate(gguf, prompts[:2], 2, min(batch, 2), threads, end_ids=ends)  # warm-up
     tick = time.perf_counter()
     samples = decoder.generate(prompts, cfg, uniforms, share_prompts=False)
     keel_s = time.perf_counter() - tick
-    theirs = llamacpp_generate(gguf, prompts, new, batch, threads)
+    theirs = llamacpp_generate(gguf, prompts, new, batch, threads, end_ids=ends)
     keel_tokens = sum(len(s.token_ids) for s in samples)
     theirs_tokens = int(theirs["generated_tokens"])
     prompt_tokens = sum(len(p) for p in prompts)
-    same = sum(s.token_ids == list(t) for s, t in zip(samples, theirs["token_ids"]))
+    same = sum(s.token_ids == list(t) for s, t in zip(samples, theirs["tokens"]))
     return {"gguf": str(gguf), "batch": batch, "prompts": len(prompts), "prompt_tokens": prompt_tokens,
-            "keel_s": keel_s, "keel_generated": keel_tokens, "llamacpp_s": theirs["seconds"],
+            "keel_s": keel_s, "keel_generated": keel_tokens, "llamacpp_s": theirs["wall_s"],
             "llamacpp_generated": theirs_tokens,
             "keel_tok_s": (prompt_tokens + keel_tokens) / keel_s,
-            "llamacpp_tok_s": (prompt_tokens + theirs_tokens) / theirs["seconds"],
+            "llamacpp_tok_s": (prompt_tokens + theirs_tokens) / theirs["wall_s"],
             "same_greedy_rows": same}
 
 

@@ -19,6 +19,11 @@ from golden_runs import GOLDEN_DIR, VARIANTS, run_variant
 
 REL = 1e-6
 ABS = 1e-8
+ROUNDING_ABS = 1e-6
+"""The sampler/learner mismatch metrics of these float64 runs measure nothing but the float32
+rounding of the sampler's logits (about 5e-7): their value moves with the CPU's kernels, so they
+are compared to this absolute tolerance (a real mismatch, bf16 against float32, is 1e-3 and up)."""
+ROUNDING_KEYS = ("mismatch/",)
 
 
 def differences(expected: list[dict], actual: list[dict]) -> list[str]:
@@ -37,7 +42,8 @@ def differences(expected: list[dict], actual: list[dict]) -> list[str]:
                 elif math.isnan(a) or math.isnan(b):
                     same = math.isnan(a) and math.isnan(b)
                 else:
-                    same = math.isclose(a, b, rel_tol=REL, abs_tol=ABS)
+                    tolerance = ROUNDING_ABS if key.startswith(ROUNDING_KEYS) else ABS
+                    same = math.isclose(a, b, rel_tol=REL, abs_tol=tolerance)
             else:
                 same = a == b
             if not same:

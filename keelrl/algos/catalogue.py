@@ -9,9 +9,11 @@ weighting, update limit) from the registries' summaries and each preset's resolv
 from __future__ import annotations
 
 import re
+from dataclasses import fields
 from typing import Any
 
 from keelrl.algos.config import LEVELS, AlgoConfig
+from keelrl.algos.corrections import describe_correction
 from keelrl.algos.losses import describe_clip
 from keelrl.algos.presets import PRESETS
 from keelrl.algos.registries import ADVANTAGES, AGGREGATIONS, ALL, RATIOS
@@ -40,7 +42,9 @@ def comparison_table() -> list[dict[str, Any]]:
                                f"{AGGREGATIONS.entry(cfg.aggregation).summary}",
             "update_limit": describe_clip(cfg) + (
                 f"; decoupled: ratio to the proximal policy, behaviour weight <= {cfg.behaviour_weight_cap:g}"
-                if cfg.decoupled else ""),
+                if cfg.decoupled else "") + (
+                f"; ratio to the proximal policy, rollout correction: {describe_correction(cfg)}"
+                if cfg.rollout_correction != "none" else ""),
             "kl": kl,
             "dynamic_sampling": bool(cfg.dynamic_sampling),
             "critic": cfg.uses_critic,
@@ -54,12 +58,19 @@ def comparison_table() -> list[dict[str, Any]]:
 
 SUMMARY_SYMBOLS = {"lo": "1 - eps_low", "hi": "1 + eps_high", "c": "dual_clip_c", "cap": "tis_cap"}
 """The config fields behind the placeholders of the clip rules' summaries (`describe_clip` fills
-them with numbers; a listing of every component names the fields instead)."""
+them with numbers; a listing of every component names the fields instead). A placeholder that is
+an `AlgoConfig` field's own name (the rollout corrections': `{icepop_low:g}`) is written as it."""
+
+_FIELDS = {f.name for f in fields(AlgoConfig)}
 
 
 def symbolic_summary(summary: str) -> str:
     """A registered summary with its `{lo:g}`-style placeholders written as the fields they read."""
-    return re.sub(r"\{(\w+)(?::[^}]*)?\}", lambda match: SUMMARY_SYMBOLS.get(match.group(1), match.group(0)), summary)
+    def symbol(match: re.Match[str]) -> str:
+        name = match.group(1)
+        return SUMMARY_SYMBOLS.get(name, name if name in _FIELDS else match.group(0))
+
+    return re.sub(r"\{(\w+)(?::[^}]*)?\}", symbol, summary)
 
 
 def comparison_markdown() -> str:

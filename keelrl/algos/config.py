@@ -93,9 +93,26 @@ class AlgoConfig:
     proximal weight pi_prox / mu, truncated at behaviour_weight_cap."""
     behaviour_weight_cap: float = FROM_PRESET
     """Truncation of the decoupled objective's behaviour -> proximal weight."""
+    rollout_correction: str = FROM_PRESET
+    """Weight for the sampler -> learner mismatch (keelrl.algos.corrections): anything but none makes
+    the clip rule's ratio pi / pi_prox and multiplies each token's loss by a weight in pi_prox / mu."""
+    correction_cap: float = FROM_PRESET
+    """Cap C of token_tis's truncated weight min(pi_prox / mu, C)."""
+    seq_mask_low: float = FROM_PRESET
+    """seq_mask rejects a row whose product of pi_prox / mu over its action tokens is below this."""
+    seq_mask_high: float = FROM_PRESET
+    """seq_mask rejects a row whose product of pi_prox / mu over its action tokens is above this."""
+    geo_mask_low: float = FROM_PRESET
+    """geo_mask rejects a row whose geometric mean of pi_prox / mu is below this."""
+    geo_mask_high: float = FROM_PRESET
+    """geo_mask rejects a row whose geometric mean of pi_prox / mu is above this."""
+    icepop_low: float = FROM_PRESET
+    """icepop masks a token whose pi_prox / mu is below this (IcePop's alpha)."""
+    icepop_high: float = FROM_PRESET
+    """icepop masks a token whose pi_prox / mu is above this (IcePop's beta)."""
 
     def __post_init__(self) -> None:
-        from keelrl.algos import advantages, losses, ratios  # noqa: F401  (they fill the registries)
+        from keelrl.algos import advantages, corrections, losses, ratios  # noqa: F401  (they fill the registries)
         from keelrl.algos import registries
         from keelrl.algos.presets import BASE_SETTINGS, PRESETS
 
@@ -116,6 +133,7 @@ class AlgoConfig:
         registries.POLICY_LOSSES.check(self.clip, "clip")
         registries.AGGREGATIONS.check(self.aggregation, "aggregation")
         registries.KL_ESTIMATORS.check(self.kl_estimator, "kl_estimator")
+        registries.ROLLOUT_CORRECTIONS.check(self.rollout_correction, "rollout_correction")
         if self.level not in LEVELS:
             raise ConfigError("level", f"must be one of {', '.join(LEVELS)}, got {self.level!r}")
         _in_range("eps_low", self.eps_low, 0.0, 1.0)
@@ -129,6 +147,14 @@ class AlgoConfig:
         _in_range("dual_clip_c", self.dual_clip_c, 1.0 + 1e-9, None)
         _in_range("tis_cap", self.tis_cap, 1e-12, None)
         _in_range("behaviour_weight_cap", self.behaviour_weight_cap, 1.0, None)
+        _in_range("correction_cap", self.correction_cap, 1.0, None)
+        for window in ("seq_mask", "geo_mask", "icepop"):
+            _ratio_window(window, getattr(self, f"{window}_low"), getattr(self, f"{window}_high"))
+        if self.decoupled and self.rollout_correction != "none":
+            raise ConfigError("rollout_correction", f"{self.rollout_correction!r} with decoupled=true: the decoupled "
+                              f"objective already weighs each token by min(pi_prox / mu, behaviour_weight_cap) "
+                              f"(token_tis), and a second weight in pi_prox / mu would count the mismatch twice; a "
+                              f"rollout correction makes the objective decoupled by itself: set decoupled=false")
         if self.value_clip is not None:
             _in_range("value_clip", self.value_clip, 1e-12, None)
         if self.agg_constant is not None and not self.agg_constant > 0:
@@ -139,6 +165,11 @@ class AlgoConfig:
         if self.kl_estimator == "k1" and not self.kl_in_reward and self.kl_coef > 0:
             raise ConfigError("kl_estimator", "k1 as a loss term has zero expected gradient; "
                               "use k2 or k3 in the loss, or k1 with kl_in_reward=true")
+
+    @property
+    def ratio_to_proximal(self) -> bool:
+        """True when the clip rule's ratio is pi / pi_prox (decoupled, or a rollout correction), not pi / mu."""
+        return bool(self.decoupled) or self.rollout_correction != "none"
 
     @property
     def uses_critic(self) -> bool:
@@ -176,3 +207,16 @@ def _in_range(name: str, value: object, low: float | None, high: float | None) -
     if not ok:
         bounds = f"[{low if low is not None else '-inf'}, {high if high is not None else 'inf'}]"
         raise ConfigError(name, f"must be a number in {bounds}, got {value!r}")
+
+
+def _ratio_window(name: str, low: object, high: object) -> None:
+    """Raise ConfigError unless 0 < low < 1 < high (finite): a window of ratios pi_prox / mu around 1.
+
+    It must contain 1, where the sampler and the learner agree: a window without it would reject
+    every token of a batch without mismatch."""
+    for field, value, bounds in ((f"{name}_low", low, "(0, 1)"), (f"{name}_high", high, "(1, inf)")):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value))
+        ok = ok and (0.0 < float(value) < 1.0 if field.endswith("_low") else float(value) > 1.0)  # type: ignore[arg-type]
+        if not ok:
+            raise ConfigError(field, f"must be a number in {bounds} (the window of pi_prox / mu must hold 1, "
+                                     f"where sampler and learner agree), got {value!r}")

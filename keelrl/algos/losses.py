@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from keelrl.algos.corrections import correction_weights, truncated_is_weight
 from keelrl.algos.masked import masked_fill_zero, masked_max, masked_mean
 from keelrl.algos.ratios import compute_dtype, token_log_ratio
 from keelrl.algos.registries import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, RATIOS
@@ -341,10 +342,11 @@ def token_view(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tens
     """All [B, T] -> (ratio, clipped), per token, as `policy_objective`'s clip rule sees them.
 
     The ratio is `cfg.ratio`'s, against the behaviour policy mu, or against the proximal policy
-    with `cfg.decoupled` (whose scaling of the advantages keeps their sign, so the masks agree);
+    with `cfg.decoupled` or a rollout correction (whose scaling of the advantages keeps their
+    sign, so the masks agree, except at a token a correction gives weight 0: no clip acts there);
     `clipped` is either mask of `clip_masks`. For reading trajectories (the viewer), not a loss:
     both are detached, and 0 / False off the mask."""
-    reference = prox_logp if cfg.decoupled and prox_logp is not None else old_logp
+    reference = prox_logp if cfg.ratio_to_proximal and prox_logp is not None else old_logp
     ratio = RATIOS.get(cfg.ratio)(logp.detach(), reference, mask, cfg)
     low, high = clip_masks(ratio, advantages.detach().to(ratio.dtype), cfg)
     return masked_fill_zero(ratio.detach(), mask), (low | high) & mask
@@ -359,7 +361,10 @@ def policy_objective(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask
     `cfg.decoupled` (Fu et al. 2025) `prox_logp` must hold the proximal policy's log-probs (the
     learner's weights when the batch arrived): the clip rule then acts on pi / pi_prox, and
     each token's advantage is scaled by the constant w = min(pi_prox / mu, behaviour_weight_cap).
-    Every clip rule is positively homogeneous in A, so this is the per-token loss times w.
+    Every clip rule is positively homogeneous in A (and w >= 0), so this is the per-token loss
+    times w. A `cfg.rollout_correction` other than none does the same with its own weight
+    (keelrl.algos.corrections): `decoupled` is the correction token_tis at behaviour_weight_cap.
+    With neither, the ratio is to mu and the objective does not read `prox_logp`.
 
     The KL term is added only when `cfg.kl_coef > 0`, `ref_logp` is given and the KL is not
     already in the reward (`cfg.kl_in_reward`). `entropy` (per token, e.g. from
@@ -370,15 +375,20 @@ def policy_objective(*, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask
                          f"pass the reference model's log-probs or set kl_coef=0")
     weight_metrics: Metrics = {}
     behaviour_logp = old_logp
-    if cfg.decoupled:
+    if cfg.ratio_to_proximal:
         if prox_logp is None:
-            raise ValueError("cfg.decoupled needs prox_logp: the proximal policy's log-probs of the batch")
-        log_w = token_log_ratio(prox_logp.detach(), old_logp, mask).clamp(-cfg.max_log_ratio, cfg.max_log_ratio)
-        raw = torch.exp(log_w)
-        weight = raw.clamp(max=cfg.behaviour_weight_cap)
-        weight_metrics = {"policy/behaviour_weight_mean": masked_mean(raw, mask),
-                          "policy/behaviour_weight_max": masked_max(raw, mask),
-                          "policy/behaviour_weight_trunc_frac": masked_mean((raw > weight).to(raw.dtype), mask)}
+            raise ValueError(f"cfg.decoupled={cfg.decoupled} with cfg.rollout_correction={cfg.rollout_correction!r} "
+                             f"needs prox_logp: the proximal policy's log-probs of the batch")
+        if cfg.decoupled:
+            if cfg.rollout_correction != "none":
+                raise ValueError(f"cfg.decoupled and cfg.rollout_correction={cfg.rollout_correction!r} would both "
+                                 f"weigh the tokens by pi_prox / mu; AlgoConfig refuses this combination")
+            raw, weight = truncated_is_weight(prox_logp, old_logp, mask, cfg.behaviour_weight_cap, cfg)
+            weight_metrics = {"policy/behaviour_weight_mean": masked_mean(raw, mask),
+                              "policy/behaviour_weight_max": masked_max(raw, mask),
+                              "policy/behaviour_weight_trunc_frac": masked_mean((raw > weight).to(raw.dtype), mask)}
+        else:  # the correction's metrics are the batch's (`keelrl.train.advantage.arrival_stats` logs them)
+            weight, _ = correction_weights(prox_logp, old_logp, mask, cfg)
         advantages = advantages.detach().to(weight.dtype) * masked_fill_zero(weight, mask)
         old_logp = prox_logp.detach()
     loss, metrics = POLICY_LOSSES.get(cfg.clip)(logp, old_logp, advantages, mask, cfg)

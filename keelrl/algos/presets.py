@@ -41,6 +41,14 @@ BASE_SETTINGS: Mapping[str, Any] = MappingProxyType({
     "max_log_ratio": 20.0,
     "decoupled": False,
     "behaviour_weight_cap": 2.0,
+    "rollout_correction": "none",
+    "correction_cap": 2.0,
+    "seq_mask_low": 0.5,
+    "seq_mask_high": 2.0,
+    "geo_mask_low": 0.99,
+    "geo_mask_high": 1.01,
+    "icepop_low": 0.5,
+    "icepop_high": 5.0,
 })
 
 

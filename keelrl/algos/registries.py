@@ -7,6 +7,7 @@ Each kind has exactly one call signature:
 - POLICY_LOSSES: fn(logp, old_logp, advantages, mask, cfg) -> (loss, metrics)
 - AGGREGATIONS:  fn(per_token [B, T], mask, cfg) -> scalar
 - KL_ESTIMATORS: fn(logp, ref_logp) -> per-token KL(pi || ref) estimate [B, T]
+- ROLLOUT_CORRECTIONS: fn(prox_logp, behaviour_logp, mask, cfg) -> (weights [B, T], metrics)
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ POLICY_LOSSES: Registry[Callable] = Registry(
     "policy loss (clip rule)", ("logp", "old_logp", "advantages", "mask", "cfg"))
 AGGREGATIONS: Registry[Callable] = Registry("loss aggregation", ("per_token", "mask", "cfg"))
 KL_ESTIMATORS: Registry[Callable] = Registry("KL estimator", ("logp", "ref_logp"))
+ROLLOUT_CORRECTIONS: Registry[Callable] = Registry(
+    "rollout correction", ("prox_logp", "behaviour_logp", "mask", "cfg"))
 
 ALL = {
     "advantage": ADVANTAGES,
@@ -29,4 +32,5 @@ ALL = {
     "clip": POLICY_LOSSES,
     "aggregation": AGGREGATIONS,
     "kl_estimator": KL_ESTIMATORS,
+    "rollout_correction": ROLLOUT_CORRECTIONS,
 }

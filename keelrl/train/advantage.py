@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from keelrl.algos import compute_advantages, outcome_to_token_rewards
+from keelrl.algos import compute_advantages, correction_weights, outcome_to_token_rewards
 from keelrl.algos.config import AlgoConfig
 from keelrl.algos.distill import sampled_reverse_kl
 from keelrl.algos.losses import kl_reward_penalty
@@ -37,13 +37,23 @@ from keelrl.train.prm import ProcessRewardModel, classification_metrics, labelle
 
 
 def arrival_stats(prox_logp: Tensor, batch: Batch, algo: AlgoConfig) -> dict[str, float]:
-    """How off-policy the batch arrived: the importance weight pi_prox / mu over its action tokens."""
+    """How off-policy the batch arrived, over its action tokens: the importance weight pi_prox / mu
+    (`rollout/arrival_*`), the KL between the sampler's mu and the learner's pi_prox (`mismatch/*`,
+    `keelrl.algos.corrections.mismatch_metrics`) and what `algo.rollout_correction` does to the batch
+    (`correction/*`: the weights the updates multiply the tokens' losses by).
+
+    Every RL step logs these: from the no-grad pass's pi_prox, or, when the update's own pass
+    gives pi_prox (`AdvantageStage.prox_from_update`), from that pass's detached log-probs
+    (`UpdateResult.prox_logp`, the trainer's call after the update)."""
     mask = batch.action_mask
     log_w = (prox_logp - batch.behaviour_logprobs).masked_fill(~mask, 0.0).clamp(-algo.max_log_ratio,
                                                                                  algo.max_log_ratio)
     arrival = torch.exp(log_w)  # [B, T]
-    return {"rollout/arrival_is_weight_mean": (arrival * mask).sum().item() / max(1, int(mask.sum())),
-            "rollout/arrival_is_weight_max": arrival.masked_fill(~mask, 0.0).max().item()}
+    stats = {"rollout/arrival_is_weight_mean": (arrival * mask).sum().item() / max(1, int(mask.sum())),
+             "rollout/arrival_is_weight_max": arrival.masked_fill(~mask, 0.0).max().item()}
+    _, metrics = correction_weights(prox_logp, batch.behaviour_logprobs, mask, algo)
+    stats.update({key: float(value) for key, value in metrics.items()})
+    return stats
 
 
 def zero_advantage_frac(batch: Batch) -> float:
@@ -141,7 +151,8 @@ class AdvantageStage:
             batch = dataclasses.replace(batch, behaviour_logprobs=prox_logp.to(batch.behaviour_logprobs.dtype)
                                         .masked_fill(~mask, 0.0))
             stats.pop("distill/sampled_kl", None)  # a KL under the teacher's samples, not the student's
-            stats.update({"rollout/arrival_is_weight_mean": 1.0, "rollout/arrival_is_weight_max": 1.0})
+            # The student's own log-probs are now mu: the batch arrives on-policy by construction.
+            stats.update(arrival_stats(batch.behaviour_logprobs, batch, algo))
         inputs = UpdateInputs(batch=batch, advantages=advantages, returns=out.returns, old_values=values,
                               ref_logp=ref_logp, prox_logp=prox_logp, teacher_view=teacher_view)
         return Advantages(inputs, stats)

@@ -10,6 +10,12 @@ micro-batch's loss is scaled so that its weights are the minibatch's weights on 
 (`micro_batch_scale`): the scaled micro-batch losses sum to the minibatch loss for every mode
 whose loss is linear in the per-token terms, and any other mode fails loudly.
 
+The sampler -> learner correction (`algo.rollout_correction`, keelrl.algos.corrections) is
+applied inside `policy_objective`, per micro-batch, from the rows' behaviour log-probs mu and
+their proximal log-probs: the inputs', or the pass's own detached ones, which the step's single
+update computes before any weight moves. A micro-batch holds whole rows, so the sequence-level
+corrections see every action token of a row.
+
 One step's updates read one `UpdateInputs` (fixed before the first update) and give one
 `UpdateResult`; `Learner.update` runs `train.epochs` passes over the batch in minibatches of
 whole groups, with the step's learning rate, skipping (and counting) any update whose loss or
