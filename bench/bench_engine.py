@@ -7,8 +7,8 @@ Four measurements, in one process, one after another (nothing else of ours runs 
    fused, down, the vocabulary head) for 1, 16, 64 and 512 token rows, float32 and bfloat16:
    GFLOP/s each; the peak of a dtype is its best shape.
 2. Engine throughput: the keel decoder alone on B prompts of the evaluation (B = 1 ... 64):
-   prefill tokens/s (a call that samples one token) and decode tokens/s (a call with exactly N
-   new tokens, less the prefill), with the FLOPs they did (2 x parameters per token through the
+   prefill tokens/s (a call that samples one token) and decode tokens/s (the steps of a call
+   with exactly N new tokens that ran no prompt token, timed inside the decoder), with the FLOPs they did (2 x parameters per token through the
    layers, the head only where a token is sampled, attention 4 x heads x head_dim x keys) as a
    share of the measured peak.
 3. Workloads of the default run, through the real agent loop (`run_episodes`, the coding
@@ -135,19 +135,19 @@ def engine_rows(model: Any, tokenizer: Any, prompts: list[list[int]], batches: l
         tick = time.perf_counter()
         decoder.generate(rows, one, uniforms, share_prompts=False)
         prefill_s = time.perf_counter() - tick
-        tick = time.perf_counter()
+        before = dict(decoder.stats)
         decoder.generate(rows, full, uniforms, share_prompts=False)
-        total_s = time.perf_counter() - tick
         load = clock.read()
+        decode_tokens = decoder.stats["decode_only_tokens"] - before["decode_only_tokens"]
+        decode_s = max(1e-9, decoder.stats["decode_only_s"] - before["decode_only_s"])
         prompt_tokens = sum(len(r) for r in rows)
         mean_prompt = prompt_tokens / batch
-        decode_s = max(1e-9, total_s - prefill_s)
         prefill_flops = flops(config, prompt_tokens, batch, mean_prompt / 2)
-        decode_flops = flops(config, batch * (new - 1), batch * (new - 1), mean_prompt + new / 2)
+        decode_flops = flops(config, decode_tokens, decode_tokens, mean_prompt + new / 2)
         out.append({"batch": batch, "prompt_tokens": prompt_tokens, "new_tokens": new,
                     "prefill_s": prefill_s, "prefill_tok_s": prompt_tokens / prefill_s,
                     "prefill_gflops": prefill_flops / prefill_s / 1e9, "prefill_peak_share": prefill_flops / prefill_s / 1e9 / gpeak,
-                    "decode_s": decode_s, "decode_tok_s": batch * (new - 1) / decode_s,
+                    "decode_s": decode_s, "decode_tokens": decode_tokens, "decode_tok_s": decode_tokens / decode_s,
                     "decode_gflops": decode_flops / decode_s / 1e9, "decode_peak_share": decode_flops / decode_s / 1e9 / gpeak,
                     "noisy": load["noisy"], "other_cpu_share": load["other_cpu_share"]})
         print(f"engine batch {batch}: prefill {out[-1]['prefill_tok_s']:.0f} tok/s "
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     llama_error = ""
     if not args.no_llamacpp:
         try:
-            llama = llamacpp_row(model_dir, model, tokenizer, prompts[:16 if args.smoke else 64],
+            llama = llamacpp_row(model_dir, model, tokenizer, prompts[:16 if args.smoke else 32],
                                  cfg.rollout.max_new_tokens, min(64, max(args.batches)), torch.get_num_threads())
             print(f"llama.cpp: {llama['llamacpp_tok_s']:.0f} tok/s, keel {llama['keel_tok_s']:.0f} tok/s", flush=True)
         except Exception as error:  # noqa: BLE001 - reported in the section: the extra may be missing

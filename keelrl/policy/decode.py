@@ -224,7 +224,9 @@ class KeelDecoder:
         self.end_ids = tuple(end_token_ids(tokenizer))
         self._table = _byte_table(tokenizer)
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "evicted": 0, "forward_s": 0.0,
-                      "sample_s": 0.0, "busy_slots": 0.0}
+                      "sample_s": 0.0, "busy_slots": 0.0, "decode_only_s": 0.0, "decode_only_tokens": 0}
+        """Counters since construction; decode_only_*: the steps that ran no prompt tokens (forward
+        and sampling), the decode throughput."""
 
     # ------------------------------------------------------------------ weights and memory
     def weights(self) -> _Weights:
@@ -441,11 +443,14 @@ class KeelDecoder:
         self.stats["decode_tokens"] += n_decode
         self.stats["busy_slots"] += len(active)
         if ready:
-            tick = time.perf_counter()
+            sampling = time.perf_counter()
             h = _rms_norm(hidden[last], weights.norm, weights.norm_eps)
             logits = torch.nn.functional.linear(h, weights.head, weights.head_bias).float()  # [R, V], as HF's scores
             self._choose(ready, logits, cfg)
-            self.stats["sample_s"] += time.perf_counter() - tick
+            self.stats["sample_s"] += time.perf_counter() - sampling
+        if not prefill:
+            self.stats["decode_only_s"] += time.perf_counter() - tick
+            self.stats["decode_only_tokens"] += n_decode
         return ready
 
     def _share_common_prefix(self, rows: list[_Row], weights: _Weights, cfg: SamplingConfig) -> None:
@@ -505,14 +510,18 @@ class KeelDecoder:
             out = torch.empty((n, heads, d), dtype=x.dtype, device=x.device)
             if n_decode:
                 # one query per sequence: its query heads of a kv head attend as a group of queries
-                q_all = torch.zeros((n_active, kv_heads, group, d), dtype=x.dtype, device=x.device)
-                q_all[decode_slots] = q[:n_decode].view(n_decode, kv_heads, group, d)
+                if n_decode == n_active:  # every slot decodes, in slot order: no scatter
+                    q_all = q[:n_decode].view(n_decode, kv_heads, group, d)
+                else:
+                    q_all = torch.zeros((n_active, kv_heads, group, d), dtype=x.dtype, device=x.device)
+                    q_all[decode_slots] = q[:n_decode].view(n_decode, kv_heads, group, d)
                 keys = cache_k[:n_active, :, :width]  # [A, KVH, W, D]
                 scores = torch.matmul(q_all, keys.transpose(-1, -2)) * scale  # [A, KVH, G, W]
                 scores = scores.masked_fill(~decode_mask[:, None, None, :], float("-inf"))
                 probs = torch.softmax(scores, dim=-1, dtype=soft_dtype).to(x.dtype)
                 attended = torch.matmul(probs, cache_v[:n_active, :, :width])  # [A, KVH, G, D]
-                out[:n_decode] = attended[decode_slots].reshape(n_decode, heads, d)
+                picked = attended if n_decode == n_active else attended[decode_slots]
+                out[:n_decode] = picked.reshape(n_decode, heads, d)
             offset = n_decode
             for s, _, start, take in prefill:
                 span = start + take
