@@ -1,6 +1,6 @@
 """llama.cpp as the CPU baseline: the same weights as a GGUF file, decoded by llama.cpp's batched API.
 
-`llama-cpp-python` is a bench-only extra (`pip install -e .[bench]`: a source build, minutes);
+`llama-cpp-python` is a bench-only extra (`pip install -e .[llamacpp]`: a source build, minutes);
 keelrl itself never imports it, and neither does this module until a function here is called.
 
 - `gguf_of(model_dir, outtype)`: a Hugging Face model directory converted once, by llama.cpp's
@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 PACKAGE = "llama-cpp-python"
-INSTALL_HINT = (f"{PACKAGE} is a bench-only extra: `pip install -e .[bench]` (or `pip install {PACKAGE}==0.3.36`; "
+INSTALL_HINT = (f"{PACKAGE} is a bench-only extra: `pip install -e .[llamacpp]` (or `pip install {PACKAGE}==0.3.36`; "
                 "a source build with cmake and a C++ compiler, minutes)")
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 CONVERTER_ENV = "KEELRL_LLAMACPP_CONVERTER"
@@ -243,7 +243,7 @@ def _check_converter_imports(model_dir: Path) -> None:
     missing = [name for name in needed if importlib.util.find_spec(name) is None]
     if missing:
         raise LlamaCppError(f"llama.cpp's converter needs {', '.join(missing)} (pip install {' '.join(missing)}; "
-                            f"`pip install -e .[bench]` brings them)")
+                            f"`pip install -e .[llamacpp]` brings them)")
 
 
 # --------------------------------------------------------------------------- loading
@@ -309,7 +309,7 @@ class _Slot:
 def llamacpp_generate(gguf_path: str | Path, prompts: list[list[int]], max_new_tokens: int, batch: int,
                       threads: int, greedy: bool = True, *, end_ids: Sequence[int] = (), ignore_eog: bool = False,
                       kv_type: str = "f32", n_batch: int = 2048, n_ubatch: int = 512, flash_attn: int | None = None,
-                      kv_unified: bool = True, temperature: float = 1.0, seed: int = 0) -> dict[str, Any]:
+                      kv_unified: bool | None = None, temperature: float = 1.0, seed: int = 0) -> dict[str, Any]:
     """Decode `prompts` (token ids) with llama.cpp, up to `batch` sequences at once.
 
     Each sequence ends after an end-of-generation token (the GGUF's `llama_vocab_is_eog`, or one of
@@ -320,11 +320,13 @@ def llamacpp_generate(gguf_path: str | Path, prompts: list[list[int]], max_new_t
     calls). greedy: argmax of the logits; else a softmax draw at `temperature` (numpy, `seed`).
     flash_attn: llama.cpp's flash_attn_type (-1 auto, 0 off, 1 on); None: off for an F32 KV cache
     (its CPU flash attention on F32 keys decoded batch 8 at half the speed here), auto for F16.
-    kv_unified: one KV buffer shared by all sequences (the default here), else one stream per
-    sequence (llama.cpp's default). Per-sequence streams decoded a refilled slot's sequence about
-    3x slower than the first wave (SmolLM2, batch 8, 250-token prompts: 135 -> 391 ms a step in
-    F32, 106 -> 283 ms in F16, the same with twice the room); unified, both waves ran alike
-    (158 / 98 ms). Without refill (batch >= prompts) streams were ~15% faster in F32.
+    kv_unified: one KV buffer shared by all sequences, else one stream per sequence (llama.cpp's
+    default); None: unified only when slots get refilled (more prompts than `batch`). Measured
+    here (SmolLM2, 250-token prompts, 1 thread): per-sequence streams decoded a refilled slot's
+    sequence about 3x slower than the first wave (batch 8: 135 -> 391 ms a step in F32, 106 ->
+    283 ms in F16, the same with twice the room), unified ran both waves alike (158 / 98 ms);
+    without refill streams were faster (batch 16 = prompts: unified decoded at ~0.6x and
+    prefilled at ~0.45x, attending over every sequence's cells).
 
     Returns wall_s (the decode loop; context set-up is `setup_s`, model loading is paid once per
     process and excluded), prompt_tokens, generated_tokens, tokens_per_s ((prompt + generated) /
@@ -360,6 +362,8 @@ def llamacpp_generate(gguf_path: str | Path, prompts: list[list[int]], max_new_t
     params.n_threads_batch = threads
     params.type_k = params.type_v = KV_TYPES[kv_type]
     params.flash_attn_type = (0 if kv_type == "f32" else -1) if flash_attn is None else flash_attn
+    if kv_unified is None:
+        kv_unified = len(prompts) > batch
     params.kv_unified = kv_unified
     params.no_perf = True
     ctx = llama_cpp.llama_init_from_model(model, params)
@@ -451,7 +455,7 @@ def llamacpp_generate(gguf_path: str | Path, prompts: list[list[int]], max_new_t
         "prefill": {"prompt_tokens": prompt_tokens, "first_tokens": prefill_first, "seconds": prefill_s,
                     "tokens_per_s": prompt_tokens / prefill_s if prefill_s > 0 else float("nan")},
         "steps": steps, "batch": batch, "threads": threads, "n_ctx": batch * per_seq, "kv_type": kv_type,
-        "flash_attn": params.flash_attn_type,
+        "flash_attn": params.flash_attn_type, "kv_unified": kv_unified,
         "tokens": generated, "engine": f"llama.cpp via {PACKAGE} {llama_cpp.__version__}",
     }
 

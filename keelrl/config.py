@@ -129,8 +129,10 @@ class EnvConfig:
 
 
 DTYPE_SETTINGS = ("auto", "float32", "bfloat16")
-"""The values of eval.dtype, rollout.dtype and perf.learner_precision (auto: measured,
-keelrl.policy.precision)."""
+"""The values of perf.learner_precision (auto: measured, keelrl.policy.precision)."""
+SAMPLER_DTYPE_SETTINGS = (*DTYPE_SETTINGS, "float64")
+"""The values of eval.dtype and rollout.dtype: also float64, for reference runs of a float64
+model (the golden runs), whose sampler float32 would round."""
 
 
 @dataclasses.dataclass
@@ -182,9 +184,9 @@ class RolloutSettings:
     """Ray: pin rollout worker i to CPU core worker_cores[i % len] with one torch thread (empty:
     wherever the OS runs them). With perf.learner_cores, rollouts and learner never share a core."""
     dtype: str = "float32"
-    """Weights' dtype of the rollout sampler: float32, bfloat16 or auto (bf16 where its decode step
-    ran faster on this machine and model, measured once and cached: keelrl.policy.precision; bf16
-    on CUDA). float32 by default: sampled by the float32 learner's own weights, fresh importance
+    """Weights' dtype of the rollout sampler: float32, bfloat16, float64 (reference runs) or auto
+    (bf16 where its decode step ran faster on this machine and model, measured once and cached:
+    keelrl.policy.precision; bf16 on CUDA). float32 by default: sampled by the float32 learner's own weights, fresh importance
     ratios are 1 up to float rounding. In bf16 the sampler's distribution differs from the
     learner's, so use a rollout correction (algo.rollout_correction) with it."""
     decoder: str = "auto"
@@ -197,8 +199,8 @@ class RolloutSettings:
 
     def __post_init__(self) -> None:
         _cores("worker_cores", self.worker_cores)
-        if self.dtype not in DTYPE_SETTINGS:
-            raise ConfigError("dtype", f"unknown dtype {self.dtype!r}; valid: {', '.join(DTYPE_SETTINGS)}")
+        if self.dtype not in SAMPLER_DTYPE_SETTINGS:
+            raise ConfigError("dtype", f"unknown dtype {self.dtype!r}; valid: {', '.join(SAMPLER_DTYPE_SETTINGS)}")
         if not isinstance(self.decoder, str) or not self.decoder.strip():
             raise ConfigError("decoder", "must name a decode engine (keelrl.policy.decoders), got an empty string")
         _positive(kv_budget_mb=self.kv_budget_mb)
@@ -269,8 +271,8 @@ class EvalConfig:
     rl_lift need it). false: for runs whose start was evaluated elsewhere, as the distill lab's
     variants share one start."""
     dtype: str = "auto"
-    """Weights' dtype when evaluating: float32, bfloat16 (a copy of the current weights is cast
-    for the evaluation; training and rollouts are unaffected) or auto (bf16 where its decode step
+    """Weights' dtype when evaluating: float32, bfloat16, float64 (reference runs; a copy of the
+    current weights is cast for the evaluation; training and rollouts are unaffected) or auto (bf16 where its decode step
     ran faster than float32's on this machine and model, measured on first use and cached:
     keelrl.policy.precision, `keel precision`; bf16 on CUDA). The run's precision.json records the
     choice and why (docs/measurements.md#precision-by-measurement)."""
@@ -279,8 +281,8 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         _positive(every=self.every, tasks=self.tasks)
-        if self.dtype not in DTYPE_SETTINGS:
-            raise ConfigError("dtype", f"unknown dtype {self.dtype!r}; valid: {', '.join(DTYPE_SETTINGS)}")
+        if self.dtype not in SAMPLER_DTYPE_SETTINGS:
+            raise ConfigError("dtype", f"unknown dtype {self.dtype!r}; valid: {', '.join(SAMPLER_DTYPE_SETTINGS)}")
         if not 0 <= self.temperature < math.inf:
             raise ConfigError("temperature", f"must be >= 0 (and finite), got {self.temperature!r}")
 

@@ -31,9 +31,10 @@ TEACHER = TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=1
 COMMON = ("rollout.engine=sync", "train.steps=3", "eval.every=2", "eval.tasks=4",
           "eval.base=true", "warm_start.demos=8", "warm_start.epochs=2", "warm_start.batch_size=4",
           "rollout.tasks_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=24", "env.max_turns=3",
-          "output.sample_trajectories=1", "output.save_episodes=8", "seed=3")
+          "output.sample_trajectories=1", "output.save_episodes=8", "seed=3",
+          "rollout.dtype=float64", "eval.dtype=float64")
 """Every variant: a few synchronous steps of 2 tasks x 4 attempts, with a warm start and
-evaluations before it, after it and after RL."""
+evaluations before it, after it and after RL; sampled in the float64 model's own dtype."""
 
 VARIANTS: dict[str, tuple[str, ...]] = {
     # One update per step, the proximal log-probs from the update's own pass; the entropy bonus

@@ -27,7 +27,7 @@ NEAR_TIE = 1e-3
 
 @pytest.fixture(scope="module")
 def llama_cpp():
-    return pytest.importorskip("llama_cpp", reason="llama-cpp-python (bench-only extra, `pip install -e .[bench]`) "
+    return pytest.importorskip("llama_cpp", reason="llama-cpp-python (bench-only extra, `pip install -e .[llamacpp]`) "
                                                    "is not installed")
 
 
@@ -120,7 +120,7 @@ TEXTS = ["Fix the bug in add(a, b): it returns a - b.", "Write a test for parse_
 def test_a_missing_llama_cpp_is_named_with_how_to_install(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text("{}")
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp now raises ImportError
-    with pytest.raises(LlamaCppError, match=r"llama-cpp-python is a bench-only extra.*pip install -e \.\[bench\]"):
+    with pytest.raises(LlamaCppError, match=r"llama-cpp-python is a bench-only extra.*pip install -e \.\[llamacpp\]"):
         gguf_of(tmp_path)
 
 

@@ -79,8 +79,8 @@ from keelrl.runs import atomic_write_text, exclusive_lock
 PROBE_VERSION = 1
 """Bumped when the probes or the choice rule change: older cache files are then measured again."""
 USES = ("eval", "rollout", "learner")
-SETTINGS = ("auto", "float32", "bfloat16")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SETTINGS = ("auto", "float32", "bfloat16", "float64")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 SAMPLING_MARGIN = 1.1
 """bf16 sampling must win by this factor: it rounds every weight, so a tie within timing noise
 keeps float32."""
@@ -154,7 +154,7 @@ def cache_path(key: dict[str, Any], cache_dir: str | Path | None = None) -> Path
 # ----------------------------------------------------------------- resolving a setting
 def resolve_dtype(setting: str, use: str, model: Any, device: torch.device, *,
                   cache_dir: str | Path | None = None) -> tuple[torch.dtype, str]:
-    """(dtype, why) for a dtype setting (auto, float32, bfloat16) of `use` (eval, rollout, learner).
+    """(dtype, why) for a dtype setting (auto, float32, bfloat16, float64) of `use` (eval, rollout, learner).
 
     For "learner", torch.bfloat16 means bf16 autocast over the weights. auto on a CPU measures on
     first use and reads the cache after (module docstring); `why` is one line for the run's record.
