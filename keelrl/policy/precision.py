@@ -80,7 +80,10 @@ PROBE_VERSION = 1
 """Bumped when the probes or the choice rule change: older cache files are then measured again."""
 USES = ("eval", "rollout", "learner")
 SETTINGS = ("auto", "float32", "bfloat16", "float64")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+MEASURED = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""The dtypes auto chooses between, each timed."""
+DTYPES = {**MEASURED, "float64": torch.float64}
+"""Every explicit setting's dtype (float64: reference runs, never chosen by auto)."""
 SAMPLING_MARGIN = 1.1
 """bf16 sampling must win by this factor: it rounds every weight, so a tie within timing noise
 keeps float32."""
@@ -200,7 +203,7 @@ def _read(path: Path, key: dict[str, Any]) -> dict[str, Any] | None:
     try:
         record = json.loads(path.read_text())
         choices = record["choices"]
-        valid = (record["key"] == key and all(choices[use]["dtype"] in DTYPES and isinstance(choices[use]["why"], str)
+        valid = (record["key"] == key and all(choices[use]["dtype"] in MEASURED and isinstance(choices[use]["why"], str)
                                               for use in USES))
     except (OSError, ValueError, KeyError, TypeError) as error:
         warnings.warn(f"precision cache {path} is unreadable ({type(error).__name__}: {error}); measuring again",
@@ -261,7 +264,7 @@ def measure(model: Any, device: torch.device, key: dict[str, Any] | None = None)
     decode: dict[str, float | None] = {}
     learner: dict[str, float | None] = {}
     skipped: dict[str, str] = {}
-    for dtype_name, dtype in DTYPES.items():
+    for dtype_name, dtype in MEASURED.items():
         slow = _slow_matmuls(matmul, ("8", "head_8"), dtype_name, "decode step")
         if slow:
             decode[dtype_name], skipped["decode_step"] = None, slow
