@@ -1,26 +1,32 @@
 """keelrl's decode engine (`rollout.decoder=keel`) against HF generate (`hf`) and llama.cpp, with
 this machine's matmul roofline.
 
-Four measurements, in one process, one after another (nothing else of ours runs beside them):
+Five measurements, in one process, one after another (nothing else of ours runs beside them):
 
 1. Roofline: `torch.nn.functional.linear` at the model's own shapes (q/k/v fused, o, gate/up
    fused, down, the vocabulary head) for 1, 16, 64 and 512 token rows, float32 and bfloat16:
    GFLOP/s each; the peak of a dtype is its best shape.
-2. Engine throughput: the keel decoder alone on B prompts of the evaluation (B = 1 ... 64):
-   prefill tokens/s (a call that samples one token) and decode tokens/s (the steps of a call
-   with exactly N new tokens that ran no prompt token, timed inside the decoder), with the FLOPs they did (2 x parameters per token through the
-   layers, the head only where a token is sampled, attention 4 x heads x head_dim x keys) as a
-   share of the measured peak.
+2. Engine throughput: the keel decoder alone on B prompts of the evaluation (B = 1 ... 64), in
+   float32 and bfloat16: prefill tokens/s (a call that samples one token) and decode tokens/s (the
+   steps of a call with exactly N new tokens that ran no prompt token, timed inside the decoder),
+   with the FLOPs they did (2 x parameters per token through the layers, the head only where a
+   token is sampled, attention 4 x heads x head_dim x keys) as a share of that dtype's peak.
 3. Workloads of the default run, through the real agent loop (`run_episodes`, the coding
    environment, sandboxed grading): the held-out evaluation (one attempt per task, greedy, up to
    `rollout.max_new_tokens`) and one RL step's rollouts (8 tasks x 4 attempts, the run's
-   temperature), each with decoder=hf and decoder=keel, same model, tasks, lengths and dtype.
-   The ratio is hf seconds / keel seconds; also reported: the decoder's share of the wall time
-   (the rest is environment work and grading) and its breakdown (forward, sampling, steps,
-   prefill and decode tokens, mean busy slots), and whether both decoders gave the same
-   actions (they must, up to float rounding in near-ties).
-4. llama.cpp (`bench/llamacpp.py`, the `llama-cpp-python` bench extra) greedy-decoding the same
-   prompt token ids from the same weights (an F32 GGUF converted from the float32 model) at the
+   temperature), each with decoder=hf and decoder=keel, same model, tasks, lengths and dtype, in
+   each of `--dtypes` (the default run evaluates in `eval.dtype=auto`'s choice and samples its
+   rollouts in `rollout.dtype`, float32). The ratio is hf seconds / keel seconds; also reported:
+   the decoder's share of the wall time (the rest is environment work and grading) and its
+   breakdown (forward, sampling, steps, prefill and decode tokens, mean busy slots), and whether
+   both decoders gave the same actions (they must, up to float rounding in near-ties). Each
+   workload's compute floor: the FLOPs keel ran at its dtype's peak, plus keel's time outside the
+   decoder; HF's seconds over it bound the speed-up any engine of that dtype can reach here.
+4. What streaming gives: the float32 rollout workload with keel's scheduler stream (episodes join
+   the batch being decoded as they become ready, the default) against one blocking batch at a time.
+5. llama.cpp (`bench/llamacpp.py`, the `llama-cpp-python` bench extra) greedy-decoding the same
+   prompt token ids from the same weights (an F32 GGUF converted from the float32 model against
+   keel in float32; a BF16 GGUF with llama.cpp's F16 KV cache against keel in bfloat16) at the
    same batch and the same lengths (each row runs as many tokens as keel's row did), tokens/s
    against keel's on that same work.
 
@@ -51,7 +57,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-tasks", type=int, default=96, help="held-out tasks in the evaluation workload")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="the workloads' dtype")
+    parser.add_argument("--dtypes", choices=list(DTYPES), nargs="+", default=list(DTYPES),
+                        help="the dtypes the engine rows, workloads and llama.cpp rows run in")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--no-llamacpp", action="store_true")
     args = parser.parse_args(argv)
@@ -117,7 +124,7 @@ def flops(config: Any, tokens: int, sampled: int, keys: float) -> float:
 
 # --------------------------------------------------------------------------- 2. engine throughput
 def engine_rows(model: Any, tokenizer: Any, prompts: list[list[int]], batches: list[int], new: int,
-                gpeak: float) -> list[dict[str, Any]]:
+                gpeak: float, dtype: str = "float32") -> list[dict[str, Any]]:
     from keelrl.policy.decode import KeelDecoder
     from keelrl.policy.sampling import SamplingConfig, draw_uniforms
 
@@ -127,7 +134,7 @@ def engine_rows(model: Any, tokenizer: Any, prompts: list[list[int]], batches: l
         rows = [prompts[i % len(prompts)] for i in range(batch)]
         rows = [r + [r[-1]] * (i // len(prompts)) for i, r in enumerate(rows)]  # repeats differ: no shared prompt
         uniforms = draw_uniforms(torch.Generator().manual_seed(0), batch * new).view(batch, new)
-        decoder = KeelDecoder(model, tokenizer, max_batch=batch)
+        decoder = KeelDecoder(model, tokenizer, max_batch=batch, dtype=DTYPES[dtype])
         one = SamplingConfig(temperature=0.0, max_new_tokens=1, stop=())
         full = SamplingConfig(temperature=0.0, max_new_tokens=new, min_new_tokens=new, stop=())
         decoder.generate(rows[:2], one, uniforms[:2])  # warm-up: the weight snapshot
@@ -144,20 +151,20 @@ def engine_rows(model: Any, tokenizer: Any, prompts: list[list[int]], batches: l
         mean_prompt = prompt_tokens / batch
         prefill_flops = flops(config, prompt_tokens, batch, mean_prompt / 2)
         decode_flops = flops(config, decode_tokens, decode_tokens, mean_prompt + new / 2)
-        out.append({"batch": batch, "prompt_tokens": prompt_tokens, "new_tokens": new,
+        out.append({"dtype": dtype, "batch": batch, "prompt_tokens": prompt_tokens, "new_tokens": new,
                     "prefill_s": prefill_s, "prefill_tok_s": prompt_tokens / prefill_s,
                     "prefill_gflops": prefill_flops / prefill_s / 1e9, "prefill_peak_share": prefill_flops / prefill_s / 1e9 / gpeak,
                     "decode_s": decode_s, "decode_tokens": decode_tokens, "decode_tok_s": decode_tokens / decode_s,
                     "decode_gflops": decode_flops / decode_s / 1e9, "decode_peak_share": decode_flops / decode_s / 1e9 / gpeak,
                     "noisy": load["noisy"], "other_cpu_share": load["other_cpu_share"]})
-        print(f"engine batch {batch}: prefill {out[-1]['prefill_tok_s']:.0f} tok/s "
+        print(f"engine {dtype} batch {batch}: prefill {out[-1]['prefill_tok_s']:.0f} tok/s "
               f"({out[-1]['prefill_peak_share']:.0%} of peak), decode {out[-1]['decode_tok_s']:.0f} tok/s", flush=True)
     return out
 
 
 # --------------------------------------------------------------------------- 3. workloads
 def workload(cfg: Any, spec: Any, model: Any, tokenizer: Any, tasks: list[Any], decoder: str, *, group: int,
-             temperature: float, training: bool, dtype: torch.dtype) -> dict[str, Any]:
+             temperature: float, training: bool, dtype: torch.dtype, stream: bool = True) -> dict[str, Any]:
     from keelrl.rollout.agent_loop import EpisodeLimits, model_actor, run_episodes
     from keelrl.policy.sampling import SamplingConfig
 
@@ -167,6 +174,8 @@ def workload(cfg: Any, spec: Any, model: Any, tokenizer: Any, tasks: list[Any], 
     make_env = spec.train_env(cfg) if training else spec.eval_env(cfg)
     limits = EpisodeLimits.of(cfg.rollout, cfg.env.max_turns)
     act = model_actor(model, tokenizer, sampling)
+    if not stream:
+        act.stream = None  # type: ignore[attr-defined]  # one blocking batch at a time
     episodes = [task for task in tasks for _ in range(group)]
     clock = Clock()
     trajectories = run_episodes(make_env, episodes, tokenizer, act, limits, seed=11,
@@ -174,7 +183,7 @@ def workload(cfg: Any, spec: Any, model: Any, tokenizer: Any, tasks: list[Any], 
     load = clock.read()
     usage = act.decoder.cache_usage() if hasattr(act, "decoder") else {}
     generate_s = max(t.seconds.get("generate", 0.0) for t in trajectories) if trajectories else 0.0
-    return {"decoder": decoder, "seconds": load["wall_s"], "noisy": load["noisy"],
+    return {"decoder": decoder, "stream": stream, "seconds": load["wall_s"], "noisy": load["noisy"],
             "other_cpu_share": load["other_cpu_share"], "episodes": len(trajectories),
             "action_tokens": sum(sum(t.action_mask) for t in trajectories),
             "success": sum(bool(t.success) for t in trajectories), "usage": usage,
@@ -183,41 +192,68 @@ def workload(cfg: Any, spec: Any, model: Any, tokenizer: Any, tasks: list[Any], 
 
 
 def workload_pair(cfg: Any, spec: Any, model: Any, tokenizer: Any, tasks: list[Any], *, group: int,
-                  temperature: float, training: bool, dtype: torch.dtype, label: str) -> dict[str, Any]:
+                  temperature: float, training: bool, dtype: str, label: str,
+                  baseline: tuple[str, bool] = ("hf", True)) -> dict[str, Any]:
+    """`baseline` (decoder, stream) against keel streaming on the same work; "hf" and "keel" name the two runs."""
     runs = {}
-    for decoder in ("hf", "keel"):
-        runs[decoder] = workload(cfg, spec, model, tokenizer, tasks, decoder, group=group, temperature=temperature,
-                                 training=training, dtype=dtype)
-        print(f"{label} {decoder}: {runs[decoder]['seconds']:.1f} s, {runs[decoder]['action_tokens']} action tokens, "
-              f"{runs[decoder]['success']}/{runs[decoder]['episodes']} solved", flush=True)
+    for name, (decoder, stream) in (("hf", baseline), ("keel", ("keel", True))):
+        runs[name] = workload(cfg, spec, model, tokenizer, tasks, decoder, group=group, temperature=temperature,
+                              training=training, dtype=DTYPES[dtype], stream=stream)
+        print(f"{label} {decoder}{'' if stream else ' (blocking)'}: {runs[name]['seconds']:.1f} s, "
+              f"{runs[name]['action_tokens']} action tokens, {runs[name]['success']}/{runs[name]['episodes']} solved",
+              flush=True)
     same = sum(a == b for a, b in zip(runs["hf"].pop("actions"), runs["keel"].pop("actions")))
-    return {"label": label, "ratio": runs["hf"]["seconds"] / runs["keel"]["seconds"], "same_actions": same,
-            "episodes": runs["keel"]["episodes"], **{k: v for k, v in runs.items()}}
+    return {"label": label, "dtype": dtype, "ratio": runs["hf"]["seconds"] / runs["keel"]["seconds"],
+            "same_actions": same, "episodes": runs["keel"]["episodes"], **{k: v for k, v in runs.items()}}
+
+
+def compute_floor(config: Any, pair: dict[str, Any], gpeak: float) -> dict[str, float] | None:
+    """The least time an engine needs for `pair`'s work at the measured matmul peak `gpeak`: the
+    FLOPs of the prefill and decode tokens keel ran (attention at each phase's mean keys, the
+    head once per sampled token), plus the time keel's run spent outside its decoder (environment
+    work and grading, which no engine removes). max_ratio: HF generate's seconds over that."""
+    keel = pair["keel"]
+    usage = keel["usage"]
+    if not usage or gpeak <= 0:
+        return None
+    episodes = max(1, keel["episodes"])
+    prefill, decode = usage.get("prefill_tokens", 0.0), usage.get("decode_tokens", 0.0)
+    prompt = prefill / episodes
+    total = (flops(config, int(prefill), 0, prompt / 2)
+             + flops(config, int(decode), int(keel["action_tokens"]), prompt + decode / episodes / 2))
+    compute_s = total / (gpeak * 1e9)
+    decoder_s = usage.get("forward_s", 0.0) + usage.get("sample_s", 0.0)
+    other_s = max(0.0, keel["seconds"] - decoder_s)
+    return {"gflop": total / 1e9, "compute_s": compute_s, "decoder_s": decoder_s, "other_s": other_s,
+            "max_ratio": pair["hf"]["seconds"] / (compute_s + other_s)}
 
 
 # --------------------------------------------------------------------------- 4. llama.cpp
 def llamacpp_row(model_dir: Path, model: Any, tokenizer: Any, prompts: list[list[int]], new: int, batch: int,
-                 threads: int) -> dict[str, Any]:
+                 threads: int, dtype: str = "float32") -> dict[str, Any]:
+    """keel in `dtype` against llama.cpp on the same GGUF weights: F32 (F32 KV cache) for float32,
+    BF16 (llama.cpp's usual F16 KV cache) for bfloat16."""
     from bench.llamacpp import gguf_of, llamacpp_generate
     from keelrl.policy.decode import KeelDecoder
     from keelrl.policy.sampling import SamplingConfig, draw_uniforms
 
-    gguf = gguf_of(model_dir, "f32")
+    outtype, kv_type = ("f32", "f32") if dtype == "float32" else ("bf16", "f16")
+    gguf = gguf_of(model_dir, outtype)
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=new, stop=())
     uniforms = draw_uniforms(torch.Generator().manual_seed(0), len(prompts) * new).view(len(prompts), new)
-    decoder = KeelDecoder(model, tokenizer, max_batch=batch)
+    decoder = KeelDecoder(model, tokenizer, max_batch=batch, dtype=DTYPES[dtype])
     decoder.generate(prompts[:2], SamplingConfig(temperature=0.0, max_new_tokens=2, stop=()), uniforms[:2])
     ends = list(decoder.end_ids)
-    llamacpp_generate(gguf, prompts[:2], 2, min(batch, 2), threads, end_ids=ends)  # warm-up
+    llamacpp_generate(gguf, prompts[:2], 2, min(batch, 2), threads, end_ids=ends, kv_type=kv_type)  # warm-up
     tick = time.perf_counter()
     samples = decoder.generate(prompts, cfg, uniforms, share_prompts=False)
     keel_s = time.perf_counter() - tick
-    theirs = llamacpp_generate(gguf, prompts, new, batch, threads, end_ids=ends)
+    theirs = llamacpp_generate(gguf, prompts, new, batch, threads, end_ids=ends, kv_type=kv_type)
     keel_tokens = sum(len(s.token_ids) for s in samples)
     theirs_tokens = int(theirs["generated_tokens"])
     prompt_tokens = sum(len(p) for p in prompts)
     same = sum(s.token_ids == list(t) for s, t in zip(samples, theirs["tokens"]))
-    return {"gguf": str(gguf), "batch": batch, "prompts": len(prompts), "prompt_tokens": prompt_tokens,
+    return {"dtype": dtype, "gguf": str(gguf), "outtype": outtype, "kv_type": kv_type, "batch": batch, "prompts": len(prompts), "prompt_tokens": prompt_tokens,
             "keel_s": keel_s, "keel_generated": keel_tokens, "llamacpp_s": theirs["wall_s"],
             "llamacpp_generated": theirs_tokens,
             "keel_tok_s": (prompt_tokens + keel_tokens) / keel_s,
@@ -235,6 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     from keelrl.envs.registry import resolve_env
     from keelrl.policy.download import resolve_model_path
     from keelrl.policy.model import load_policy
+    from keelrl.policy.precision import resolve_dtype
     from keelrl.rollout.scheduler import prompt_tokens
 
     overrides = ["env.name=coding"]
@@ -242,9 +279,9 @@ def main(argv: list[str] | None = None) -> None:
         overrides += ["rollout.max_new_tokens=8"]
     cfg = load_config(overrides=overrides)
     model_dir = Path(resolve_model_path(args.model))
-    dtype = DTYPES[args.dtype]
     model, tokenizer = load_policy(str(model_dir), "cpu", torch.float32)
     model.eval()
+    eval_auto, eval_why = resolve_dtype("auto", "eval", model, torch.device("cpu"))
     spec = resolve_env(cfg)
     train_tasks, heldout = spec.tasks(cfg)
     heldout = list(heldout)[:args.eval_tasks]
@@ -259,33 +296,49 @@ def main(argv: list[str] | None = None) -> None:
     roof = roofline(model.config, [1, 16, 64, 512] if not args.smoke else [1, 16], 0.05 if args.smoke else 0.3)
     peaks = {name: peak(roof, name) for name in DTYPES}
     print(f"matmul peak: {peaks}", flush=True)
-    engine = engine_rows(model, tokenizer, prompts, args.batches, args.decode_tokens, peaks["float32"])
-    evaluation = workload_pair(cfg, spec, model, tokenizer, heldout, group=1, temperature=cfg.eval.temperature,
-                               training=False, dtype=dtype, label="evaluation")
+    engine = [row for dtype in args.dtypes
+              for row in engine_rows(model, tokenizer, prompts, args.batches, args.decode_tokens, peaks[dtype], dtype)]
     rollout_tasks = list(train_tasks)[:cfg.rollout.tasks_per_step]
-    rollout = workload_pair(cfg, spec, model, tokenizer, rollout_tasks, group=cfg.rollout.group_size,
-                            temperature=cfg.rollout.temperature, training=True, dtype=dtype, label="rollout")
-    llama: dict[str, Any] | None = None
+    workloads = []
+    for dtype in args.dtypes:
+        workloads.append(workload_pair(cfg, spec, model, tokenizer, heldout, group=1,
+                                       temperature=cfg.eval.temperature, training=False, dtype=dtype,
+                                       label="evaluation"))
+        workloads.append(workload_pair(cfg, spec, model, tokenizer, rollout_tasks, group=cfg.rollout.group_size,
+                                       temperature=cfg.rollout.temperature, training=True, dtype=dtype,
+                                       label="rollout"))
+    for pair in workloads:
+        pair["floor"] = compute_floor(model.config, pair, peaks[pair["dtype"]])
+    streaming = workload_pair(cfg, spec, model, tokenizer, rollout_tasks, group=cfg.rollout.group_size,
+                              temperature=cfg.rollout.temperature, training=True, dtype=args.dtypes[0],
+                              label="rollout", baseline=("keel", False))
+    llama: list[dict[str, Any]] = []
     llama_error = ""
     if not args.no_llamacpp:
-        try:
-            llama = llamacpp_row(model_dir, model, tokenizer, prompts[:16 if args.smoke else 32],
-                                 cfg.rollout.max_new_tokens, min(64, max(args.batches)), torch.get_num_threads())
-            print(f"llama.cpp: {llama['llamacpp_tok_s']:.0f} tok/s, keel {llama['keel_tok_s']:.0f} tok/s", flush=True)
-        except Exception as error:  # noqa: BLE001 - reported in the section: the extra may be missing
-            llama_error = f"{type(error).__name__}: {error}"
-            print(f"llama.cpp: not measured ({llama_error})", flush=True)
-    section = summarise(args, roof, peaks, engine, evaluation, rollout, llama, llama_error,
+        for dtype in args.dtypes:
+            try:
+                llama.append(llamacpp_row(model_dir, model, tokenizer, prompts[:16 if args.smoke else 32],
+                                          cfg.rollout.max_new_tokens, min(64, max(args.batches)),
+                                          torch.get_num_threads(), dtype))
+                print(f"llama.cpp {dtype}: {llama[-1]['llamacpp_tok_s']:.0f} tok/s, keel {llama[-1]['keel_tok_s']:.0f} "
+                      f"tok/s", flush=True)
+            except Exception as error:  # noqa: BLE001 - reported in the section: the extra may be missing
+                llama_error = f"{type(error).__name__}: {error}"
+                print(f"llama.cpp {dtype}: not measured ({llama_error})", flush=True)
+                break
+    defaults = {"eval": (str(eval_auto).removeprefix("torch."), eval_why), "rollout": cfg.rollout.dtype}
+    section = summarise(args, roof, peaks, engine, workloads, streaming, llama, llama_error, defaults,
                         time.perf_counter() - started)
     write_section(args.out, section)
 
 
 def summarise(args: argparse.Namespace, roof: list[dict[str, Any]], peaks: dict[str, float],
-              engine: list[dict[str, Any]], evaluation: dict[str, Any], rollout: dict[str, Any],
-              llama: dict[str, Any] | None, llama_error: str, seconds: float) -> Section:
+              engine: list[dict[str, Any]], workloads: list[dict[str, Any]], streaming: dict[str, Any],
+              llama: list[dict[str, Any]], llama_error: str, defaults: dict[str, Any], seconds: float) -> Section:
     info = machine()
-    lines = [f"Model {args.model}, workloads in {args.dtype}, {info['torch_threads']} torch threads, "
-             f"on {info['cpu']} ({info['cores']} cores, {info['cpu_capability']}).", "",
+    lines = [f"Model {args.model}, {info['torch_threads']} torch threads, on {info['cpu']} ({info['cores']} cores, "
+             f"{info['cpu_capability']}). The default run evaluates in {defaults['eval'][0]} (eval.dtype=auto: "
+             f"{defaults['eval'][1]}) and samples its rollouts in {defaults['rollout']} (rollout.dtype).", "",
              "Matmul roofline (`F.linear` at the model's shapes), GFLOP/s:", "",
              "| matrix | rows | float32 | bfloat16 |", "|---|---|---|---|"]
     for name in linear_shapes_names(roof):
@@ -293,49 +346,67 @@ def summarise(args: argparse.Namespace, roof: list[dict[str, Any]], peaks: dict[
             cells = {r["dtype"]: r["gflops"] for r in roof if r["matrix"] == name and r["rows"] == m}
             lines.append(f"| {name} | {m} | {cells.get('float32', 0):.0f} | {cells.get('bfloat16', 0):.0f} |")
     lines += ["", f"Peak: float32 {peaks['float32']:.0f} GFLOP/s, bfloat16 {peaks['bfloat16']:.0f} GFLOP/s.", "",
-              "Keel decoder throughput (float32; decode with exactly the stated new tokens):", "",
-              "| batch | prefill tok/s | prefill % of fp32 peak | decode tok/s | decode % of peak | noisy |",
-              "|---|---|---|---|---|---|"]
+              "Keel decoder throughput (decode with exactly the stated new tokens; shares of the dtype's peak):", "",
+              "| dtype | batch | prefill tok/s | prefill % of peak | decode tok/s | decode % of peak | noisy |",
+              "|---|---|---|---|---|---|---|"]
     for row in engine:
-        lines.append(f"| {row['batch']} | {row['prefill_tok_s']:.0f} | {row['prefill_peak_share']:.0%} | "
+        lines.append(f"| {row['dtype']} | {row['batch']} | {row['prefill_tok_s']:.0f} | {row['prefill_peak_share']:.0%} | "
                      f"{row['decode_tok_s']:.0f} | {row['decode_peak_share']:.0%} | {row['noisy']} |")
     lines += ["", "Workloads of the default run through the agent loop (environment and grading included):", "",
-              "| workload | episodes | hf s | keel s | hf / keel | same actions | keel decoder share | solved hf / keel |",
-              "|---|---|---|---|---|---|---|---|"]
-    for w in (evaluation, rollout):
+              "| workload | dtype | episodes | hf s | keel s | hf / keel | same actions | keel decoder share | "
+              "solved hf / keel | noisy hf / keel |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for w in workloads:
         usage = w["keel"]["usage"]
         share = (usage.get("forward_s", 0) + usage.get("sample_s", 0)) / max(1e-9, w["keel"]["seconds"])
-        lines.append(f"| {w['label']} | {w['episodes']} | {w['hf']['seconds']:.1f} | {w['keel']['seconds']:.1f} | "
-                     f"{w['ratio']:.2f}x | {w['same_actions']}/{w['episodes']} | {share:.0%} | "
-                     f"{w['hf']['success']} / {w['keel']['success']} |")
-    for w in (evaluation, rollout):
+        lines.append(f"| {w['label']} | {w['dtype']} | {w['episodes']} | {w['hf']['seconds']:.1f} | "
+                     f"{w['keel']['seconds']:.1f} | {w['ratio']:.2f}x | {w['same_actions']}/{w['episodes']} | "
+                     f"{share:.0%} | {w['hf']['success']} / {w['keel']['success']} | "
+                     f"{w['hf']['noisy']} / {w['keel']['noisy']} |")
+    for w in workloads:
         u = w["keel"]["usage"]
         if u:
             lines.append("")
-            lines.append(f"Keel {w['label']} breakdown: forward {u.get('forward_s', 0):.1f} s, sampling "
+            lines.append(f"Keel {w['label']} ({w['dtype']}) breakdown: forward {u.get('forward_s', 0):.1f} s, sampling "
                          f"{u.get('sample_s', 0):.1f} s over {u.get('steps', 0):.0f} steps; "
                          f"{u.get('prefill_tokens', 0):.0f} prefill and {u.get('decode_tokens', 0):.0f} decode tokens; "
-                         f"mean busy slots {u.get('busy_slots', 0) / max(1, u.get('steps', 1)):.1f}.")
-    ratios = [Ratio("evaluation workload: keel decoder speed-up over HF generate", evaluation["ratio"], 3.0,
-                    detail=f"{evaluation['hf']['seconds']:.1f} s / {evaluation['keel']['seconds']:.1f} s"),
-              Ratio("rollout workload: keel decoder speed-up over HF generate", rollout["ratio"], 3.0,
-                    detail=f"{rollout['hf']['seconds']:.1f} s / {rollout['keel']['seconds']:.1f} s")]
-    best_prefill = max(row["prefill_peak_share"] for row in engine)
-    ratios.append(Ratio("keel prefill FLOP/s / measured float32 matmul peak (best batch)", best_prefill, 0.5))
-    if llama is not None:
-        ratio = llama["keel_tok_s"] / llama["llamacpp_tok_s"]
-        lines += ["", f"llama.cpp (F32 GGUF of the same weights, batch {llama['batch']}, {llama['prompts']} prompts, "
-                      f"greedy, up to the run's max_new_tokens): {llama['llamacpp_tok_s']:.0f} tok/s "
-                      f"({llama['llamacpp_s']:.1f} s); keel {llama['keel_tok_s']:.0f} tok/s ({llama['keel_s']:.1f} s); "
-                      f"same greedy rows {llama['same_greedy_rows']}/{llama['prompts']}."]
-        ratios.append(Ratio("keel throughput / llama.cpp throughput (same prompts, batch, lengths)", ratio, 0.8,
-                            detail=f"{llama['keel_tok_s']:.0f} / {llama['llamacpp_tok_s']:.0f} tok/s"))
-    else:
+                         f"mean busy slots {u.get('busy_slots', 0) / max(1, u.get('steps', 1)):.1f}; "
+                         f"{u.get('joined_in_flight', 0):.0f} episodes joined a running batch, "
+                         f"{u.get('prefix_hits', 0):.0f} started from a stored prefix.")
+            floor = w.get("floor")
+            if floor:
+                lines.append(f"Its compute floor: {floor['gflop']:.0f} GFLOP at the {w['dtype']} peak is "
+                             f"{floor['compute_s']:.1f} s; with keel's {floor['other_s']:.1f} s outside the decoder "
+                             f"(environments, grading) no {w['dtype']} engine doing this work beats HF generate by "
+                             f"more than {floor['max_ratio']:.2f}x on this CPU (keel: {w['ratio']:.2f}x, "
+                             f"{floor['compute_s'] / max(1e-9, floor['decoder_s']):.0%} of the floor's speed in "
+                             f"its decoder).")
+    blocking, stream = streaming["hf"], streaming["keel"]
+    lines += ["", f"Streaming ({streaming['dtype']} rollout workload): keel with one blocking batch at a time "
+                  f"{blocking['seconds']:.1f} s ({blocking['usage'].get('steps', 0):.0f} decode steps), streaming "
+                  f"{stream['seconds']:.1f} s ({stream['usage'].get('steps', 0):.0f} steps): "
+                  f"{streaming['ratio']:.2f}x; same actions {streaming['same_actions']}/{streaming['episodes']}."]
+    ratios = []
+    for w in workloads:
+        ratios.append(Ratio(f"{w['label']} workload, {w['dtype']}: keel decoder speed-up over HF generate", w["ratio"],
+                            3.0, detail=f"{w['hf']['seconds']:.1f} s / {w['keel']['seconds']:.1f} s"))
+    for dtype in args.dtypes:
+        best_prefill = max(row["prefill_peak_share"] for row in engine if row["dtype"] == dtype)
+        ratios.append(Ratio(f"keel prefill FLOP/s / measured {dtype} matmul peak (best batch)", best_prefill, 0.5))
+    for row in llama:
+        ratio = row["keel_tok_s"] / row["llamacpp_tok_s"]
+        lines += ["", f"llama.cpp ({row['dtype']}: {row['outtype'].upper()} "
+                      f"GGUF of the same weights, {row['kv_type']} KV cache, batch {row['batch']}, {row['prompts']} "
+                      f"prompts, greedy, up to the run's max_new_tokens): {row['llamacpp_tok_s']:.0f} tok/s "
+                      f"({row['llamacpp_s']:.1f} s); keel in {row['dtype']} {row['keel_tok_s']:.0f} tok/s "
+                      f"({row['keel_s']:.1f} s); same greedy rows {row['same_greedy_rows']}/{row['prompts']}."]
+        ratios.append(Ratio(f"keel throughput / llama.cpp throughput, {row['dtype']} (same prompts, batch, lengths)",
+                            ratio, 0.8, detail=f"{row['keel_tok_s']:.0f} / {row['llamacpp_tok_s']:.0f} tok/s"))
+    if not llama:
         lines += ["", f"llama.cpp: not measured ({llama_error or 'skipped'})."]
     return Section(name="engine", title="Decode engine against HF generate and llama.cpp", markdown="\n".join(lines),
                    ratios=ratios, smoke=args.smoke, seconds=seconds,
-                   data={"roofline": roof, "peaks": peaks, "engine": engine, "evaluation": evaluation,
-                         "rollout": rollout, "llamacpp": llama, "machine": info})
+                   data={"roofline": roof, "peaks": peaks, "engine": engine, "workloads": workloads,
+                         "streaming": streaming, "llamacpp": llama, "defaults": defaults, "machine": info})
 
 
 def linear_shapes_names(roof: list[dict[str, Any]]) -> list[str]:

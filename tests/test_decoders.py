@@ -183,6 +183,58 @@ def test_continuous_batching_and_chunked_prefill_change_no_token(policy, max_bat
     assert decoder.cache_usage()["slots"] <= max_batch
 
 
+def test_rows_that_join_a_running_stream_sample_what_the_plain_loop_samples(policy):
+    """Rows submitted while others decode (a longer context growing the slot buffer under them, a
+    group's late attempt, rows sharing a stored common prefix) get the reference's tokens, and what
+    is stored is not prefilled again."""
+    model, tokenizer = policy
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=8, stop=())
+    first = _prompts(11, head=20)  # a common head of 20 tokens, a group of two (rows 1 and 2)
+    later = [list(first[1]), first[0][:20] + [7] * 9, first[0][:20] + [9] * 300]  # the group's third attempt, two more
+    uniforms = _uniforms(12, len(first) + len(later), 8)
+    decoder = KeelDecoder(model, tokenizer, max_batch=4, prefill_tokens=16)
+    tickets = decoder.submit(first, cfg, uniforms[:len(first)])
+    done: dict[int, object] = {}
+    for _ in range(3):
+        done.update(decoder.step())
+    assert decoder.in_flight and decoder.cache_usage()["capacity_tokens"] < 320
+    tickets += decoder.submit(later, cfg, uniforms[len(first):])
+    assert decoder.stats["joined_in_flight"] == len(later)
+    while decoder.in_flight:
+        done.update(decoder.step())
+    samples = [done[t] for t in tickets]
+    _same(samples, reference(model, tokenizer, first + later, cfg, uniforms))
+    late = samples[len(first):]
+    assert late[0].recomputed == 1  # the group's context was stored by its first attempt
+    assert late[1].recomputed == 9 and late[2].recomputed == 300  # the stored head of 20 was not run again
+    assert decoder.stats["prefix_hits"] >= 3
+
+
+def test_a_stream_keeps_its_settings_and_weights_until_it_drains(policy):
+    model, tokenizer = policy
+    model = type(model)(model.config).double().eval()
+    model.load_state_dict(policy[0].state_dict())
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=6, stop=())
+    decoder = KeelDecoder(model, tokenizer)
+    decoder.submit(_prompts(3), cfg, _uniforms(0, 6, 6))
+    decoder.step()
+    with pytest.raises(ValueError, match="one SamplingConfig"):
+        decoder.submit([[5, 6]], SamplingConfig(temperature=0.5, max_new_tokens=6, stop=()), _uniforms(1, 1, 6))
+    with pytest.raises(RuntimeError, match="idle decoder"):
+        decoder.generate([[5, 6]], cfg, _uniforms(1, 1, 6))
+    with pytest.raises(RuntimeError, match="finish the stream"):
+        decoder.load_weights(model.state_dict())
+    with torch.no_grad():
+        next(model.parameters()).add_(0.1)  # an optimizer step in place, mid-stream
+    with pytest.raises(RuntimeError, match="weights changed while rows were decoding"):
+        decoder.submit([[5, 6]], cfg, _uniforms(1, 1, 6))
+    decoder.cancel()
+    assert decoder.in_flight == 0 and decoder.step() == []
+    contexts = [[5, 6, 7]]
+    _same(decoder.generate(contexts, cfg, _uniforms(2, 1, 6)), reference(model, tokenizer, contexts, cfg,
+                                                                         _uniforms(2, 1, 6)))
+
+
 def test_the_budget_evicts_the_least_recently_used_history(policy):
     model, tokenizer = policy
     decoder = KeelDecoder(model, tokenizer, max_batch=2, kv_budget_mb=1)
@@ -247,19 +299,25 @@ def test_stop_strings_spanning_tokens(policy, seed):
     _same(samples, reference(model, tokenizer, prompts, cfg, uniforms))
 
 
+def _guessing_model(tmp_path, seed: int):
+    """A float64 tiny model with room for multi-turn guessing-game episodes."""
+    from keelrl.policy.model import load_policy
+    from keelrl.policy.tiny import save_tiny_default
+
+    model_dir = save_tiny_default(tmp_path / "m", TinyModelSpec(layers=2, hidden=32, heads=4, kv_heads=2,
+                                                               intermediate=48, max_positions=1024, seed=seed))
+    model, tokenizer = load_policy(str(model_dir), "cpu")
+    return model.double().eval(), tokenizer
+
+
 def test_multi_turn_episodes_are_the_same_with_every_decoder(tmp_path):
     """Through the scheduler on the guessing game (several turns an episode, kept histories):
     each decoder gives the same trajectories as hf without kept histories; keel prefills less."""
     from conftest import limits
     from keelrl.envs.guess import GuessEnvFactory, guess_tasks
-    from keelrl.policy.model import load_policy
-    from keelrl.policy.tiny import save_tiny_default
     from keelrl.rollout.agent_loop import model_actor, run_episodes
 
-    model_dir = save_tiny_default(tmp_path / "m", TinyModelSpec(layers=2, hidden=32, heads=4, kv_heads=2,
-                                                               intermediate=48, max_positions=1024, seed=1))
-    model, tokenizer = load_policy(str(model_dir), "cpu")
-    model = model.double().eval()
+    model, tokenizer = _guessing_model(tmp_path, seed=1)
     tasks = guess_tasks(6, n=20, seed=0)
     rollout = limits(max_turns=4, max_context_tokens=1000, max_new_tokens=12, env_threads=2)
     runs, prefilled = {}, {}
@@ -276,6 +334,35 @@ def test_multi_turn_episodes_are_the_same_with_every_decoder(tmp_path):
             torch.testing.assert_close(torch.tensor(a.behaviour_logprobs), torch.tensor(b.behaviour_logprobs),
                                        rtol=0, atol=1e-6)
     assert prefilled["keel", True] < prefilled["keel", False]
+
+
+def test_the_scheduler_streams_episodes_into_the_running_batch(tmp_path):
+    """With keelrl's decoder the scheduler adds episodes to the batch being decoded as their tool
+    calls return (multi-turn guessing game): the same trajectories as one blocking batch at a time,
+    in fewer decode steps."""
+    from conftest import limits
+    from keelrl.envs.guess import GuessEnvFactory, guess_tasks
+    from keelrl.rollout.agent_loop import model_actor, run_episodes
+
+    model, tokenizer = _guessing_model(tmp_path, seed=2)
+    tasks = guess_tasks(8, n=20, seed=1)
+    rollout = limits(max_turns=4, max_context_tokens=1000, max_new_tokens=12, env_threads=2)
+    runs, usage = {}, {}
+    for streaming in (True, False):
+        act = model_actor(model, tokenizer, SamplingConfig(temperature=1.0, max_new_tokens=12, keep_kv=True,
+                                                           decoder="keel", max_batch=4))
+        assert act.stream is not None
+        if not streaming:
+            act.stream = None  # the scheduler falls back to one blocking batch at a time
+        runs[streaming] = run_episodes(GuessEnvFactory(4, "strong"), tasks, tokenizer, act, rollout, seed=3)
+        usage[streaming] = act.decoder.cache_usage()
+    assert sum(len(t.actions) for t in runs[False]) > len(tasks)
+    for a, b in zip(runs[False], runs[True], strict=True):
+        assert a.token_ids == b.token_ids and a.reward == b.reward
+        torch.testing.assert_close(torch.tensor(a.behaviour_logprobs), torch.tensor(b.behaviour_logprobs),
+                                   rtol=0, atol=1e-9)
+    assert usage[True]["joined_in_flight"] > 0 and usage[False]["joined_in_flight"] == 0
+    assert usage[True]["steps"] < usage[False]["steps"]
 
 
 def test_an_unknown_decoder_fails_at_config_time_naming_the_field():

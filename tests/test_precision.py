@@ -196,6 +196,30 @@ def test_measure_skips_bf16_model_probes_when_its_matmuls_are_much_slower(monkey
     assert record["timings_s"]["decode_step"]["bfloat16"] == pytest.approx(0.012 * 2 / 2 + 1.5e-3)
 
 
+def test_a_slow_first_call_is_start_up_not_a_verdict(monkeypatch):
+    """A library builds its kernel on a shape's first call (oneDNN's bf16 matmuls: a millisecond or
+    more, against a tenth of that after): a warm-up is given up on only past WARM_UP_SLACK times
+    the give-up time and past WARM_UP_FLOOR_S; the timed calls decide."""
+    clock = {"now": 0.0}
+    monkeypatch.setattr(precision.time, "perf_counter", lambda: clock["now"])
+
+    def calls(*durations):
+        queue = list(durations)
+
+        def run():
+            clock["now"] += queue.pop(0)
+        return run
+
+    # warm-up 2 ms (10x the 0.2 ms give-up time, under the floor), then 0.1 ms calls: timed, 0.1 ms
+    assert precision._best_time(calls(2e-3, 1e-4, 1e-4, 1e-4), give_up_after=2e-4) == pytest.approx(1e-4)
+    # a warm-up past both the slack and the floor: given up
+    assert precision._best_time(calls(0.3, 1e-4, 1e-4, 1e-4), give_up_after=2e-4) is None
+    # past the floor but within the slack of a slow probe's give-up time: timed
+    assert precision._best_time(calls(0.3, 0.08, 0.09, 0.1), give_up_after=0.1) == pytest.approx(0.08)
+    # a timed call over the give-up time: given up
+    assert precision._best_time(calls(1e-4, 3e-4, 1e-4, 1e-4), give_up_after=2e-4) is None
+
+
 # ----------------------------------------------------------------- CUDA and explicit settings
 def test_cuda_is_bf16_without_measuring_unless_the_device_lacks_it(monkeypatch, small_model):
     monkeypatch.setattr(precision, "measure", lambda *args, **kwargs: pytest.fail("CUDA is not measured"))

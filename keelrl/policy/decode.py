@@ -1,6 +1,6 @@
 """keelrl's own decode loop: a slot KV cache, continuous batching, chunked prefill, kept histories.
 
-`KeelDecoder.generate` continues many token-id contexts and returns, per context, the tokens
+`KeelDecoder.generate` (or `submit` and `step`) continues many token-id contexts and returns, per context, the tokens
 and behaviour log-probs `keelrl.policy.sampling.sample` would (same uniforms, same temperature /
 top-p / min_new_tokens / end tokens / stop strings, the same float32 logits), without `generate`:
 
@@ -17,13 +17,23 @@ top-p / min_new_tokens / end tokens / stop strings, the same float32 logits), wi
   long context is prefilled over several steps while the others decode). A sequence that ends
   frees its slot at once and the next queued context takes it in the same step, so no row waits
   for the longest and nothing is padded.
-- Prefix sharing. Contexts of one call that are equal (a GRPO group's attempts) are prefilled
-  once: the first runs its context, the others copy its keys and values and run only its last
-  token. With `SamplingConfig.keep_kv` a finished sequence's keys and values (context and action
-  but its last token) are kept under a `KeptKV` handle (`Sample.cache`); passed back as the
-  episode's cache on its next turn, only the new tokens run. Kept histories live within
-  `kv_budget_mb` together with the slots; over it the least recently used is evicted (the next
-  turn then prefills in full). Kept keys and values are valid only for the weights that made them.
+- A stream. `submit` queues contexts at any time, also while others decode, and `step` runs one
+  step and returns the rows that finished; `generate` is submit-then-step-until-done. The agent
+  loop's scheduler submits each episode when its tool call returns, so it joins the running
+  batch at the next step. One stream samples with one `SamplingConfig` under one set of weights:
+  new weights are loaded only when nothing is in flight (`in_flight`), and a change of the
+  model's parameters under a running stream is an error, never a silent mix.
+- Prefix sharing. Equal contexts (a GRPO group's attempts) are prefilled once: the first runs its
+  context, the others copy its keys and values and run only its last token. Contexts submitted
+  together that begin with the same MIN_COMMON_PREFIX or more tokens (a system prompt) prefill
+  that prefix once. Both are kept as stored prefixes (at most MAX_PREFIXES), so a later
+  submission reuses them: a group's attempt that arrives late, the next batch's system prompt.
+  With `SamplingConfig.keep_kv` a finished sequence's keys and values (context and action but
+  its last token) are kept under a `KeptKV` handle (`Sample.cache`); passed back as the
+  episode's cache on its next turn, only the new tokens run. Kept histories and stored prefixes
+  live within `kv_budget_mb` together with the slots; over it the least recently used is
+  evicted (a later row then prefills in full). Kept keys and values are valid only for the
+  weights that made them.
 - Stops. End-of-turn tokens and stop strings end a sequence as it is decoded: stop strings are
   matched incrementally on each token's bytes (a byte-level tokenizer's token table) or, for
   other tokenizers, on the decoded tail. Temperature 0 takes the argmax without sorting.
@@ -39,7 +49,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -49,9 +59,13 @@ from torch import Tensor
 from keelrl.policy.sampling import RowCache, Sample, SamplingConfig, end_token_ids
 
 SUPPORTED = ("llama", "mistral", "qwen2")
-MIN_COMMON_PREFIX = 16
-"""Rows of a call that all begin with this many equal tokens prefill them once."""
 """`config.model_type`s whose forward pass the decoder implements."""
+MIN_COMMON_PREFIX = 16
+"""Rows submitted together that all begin with this many equal tokens prefill them once."""
+MAX_PREFIXES = 16
+"""Stored prefixes (common prefixes and group contexts) kept at most, least recently used dropped."""
+CAPACITY_STEP = 256
+"""The slot buffer grows in steps of this many tokens (each growth copies the rows in flight)."""
 
 
 class UnsupportedModelError(ValueError):
@@ -147,7 +161,7 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 @dataclass
 class _Row:
-    """One context of a `generate` call, queued, in flight, or done."""
+    """One context submitted to the decoder, queued, in flight, or done."""
 
     index: int
     context: tuple[int, ...]
@@ -166,10 +180,11 @@ class _Row:
     stopped: bool = False
     """Finished by an end token or a stop string (not by max_new_tokens)."""
     kept: KeptKV | None = None
-    owner_of: tuple[int, ...] | None = None
-    """Set on the first row of a shared context: its keys and values are kept for the others."""
-    shares: bool = False
-    """A later row of a shared context: admitted once the first row has prefilled it."""
+    publishes: tuple[int, ...] | None = None
+    """Once this row has these tokens in its slot, their keys and values go to the prefix store
+    (the first row of a group publishes its context but the last token; a prefix row its whole context)."""
+    waits_for: tuple[int, ...] | None = None
+    """Admitted once another row has published these tokens; it then starts from a copy of them."""
     prefix_only: bool = False
     """A common prefix prefilled for other rows: nothing is sampled for it."""
 
@@ -184,7 +199,7 @@ class KeelDecoder:
 
     `dtype`: the decode dtype (None: the model's). `max_batch`: sequences decoded together.
     `prefill_tokens`: prompt tokens prefilled per step beside the decoding sequences.
-    `kv_budget_mb`: memory for the slots' keys and values plus kept histories.
+    `kv_budget_mb`: memory for the slots' keys and values plus kept histories and stored prefixes.
     """
 
     _ids = itertools.count()
@@ -218,21 +233,38 @@ class KeelDecoder:
         self._slots = 0
         self._capacity = 0
         self._kept: OrderedDict[int, tuple[RowCache, tuple[int, ...]]] = OrderedDict()
-        """key -> (keys and values, the weights stamp they were made under), least recently used first."""
+        """key -> (keys and values, the weights stamp they were made under), least recently used
+        first: kept histories (a `KeptKV` names the key) and stored prefixes (`_prefixes`)."""
+        self._prefixes: dict[tuple[int, ...], int] = {}
+        """Stored prefixes: their tokens -> their key in `_kept` (common prefixes and group contexts)."""
         self._kept_bytes = 0
         self._next_key = itertools.count()
+        self._tickets = itertools.count()
+        self._queue: list[_Row] = []
+        self._active: list[_Row] = []
+        """_active[s] holds slot s."""
+        self._pending: dict[tuple[int, ...], int] = {}
+        """Tokens some queued or active row will publish -> how many rows wait for them."""
+        self._stream_cfg: SamplingConfig | None = None
+        self._stream_weights: _Weights | None = None
         self.end_ids = tuple(end_token_ids(tokenizer))
         self._table = _byte_table(tokenizer)
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "evicted": 0, "forward_s": 0.0,
-                      "sample_s": 0.0, "busy_slots": 0.0, "decode_only_s": 0.0, "decode_only_tokens": 0}
+                      "sample_s": 0.0, "busy_slots": 0.0, "decode_only_s": 0.0, "decode_only_tokens": 0,
+                      "prefix_hits": 0, "joined_in_flight": 0}
         """Counters since construction; decode_only_*: the steps that ran no prompt tokens (forward
-        and sampling), the decode throughput."""
+        and sampling), the decode throughput; prefix_hits: rows started from a stored prefix (a common
+        prefix or a group's context);
+        joined_in_flight: rows submitted while others were decoding."""
 
     # ------------------------------------------------------------------ weights and memory
     def weights(self) -> _Weights:
         """The snapshot of the current weights (rebuilt when the parameters changed)."""
         stamp = weights_stamp(self.model)
         if self._weights is None or self._weights.stamp != stamp:
+            if self.in_flight:
+                raise RuntimeError(f"the model's weights changed while {self.in_flight} rows were decoding: "
+                                   f"load new weights only between streams (KeelDecoder.in_flight == 0)")
             self._weights = None  # free the old snapshot before building the next
             with torch.no_grad():
                 self._weights = _Weights(self.model, self.dtype)
@@ -241,6 +273,8 @@ class KeelDecoder:
 
     def load_weights(self, state: Any) -> None:
         """Load a state dict into the model; kept keys and values of the old weights are dropped."""
+        if self.in_flight:
+            raise RuntimeError(f"load_weights while {self.in_flight} rows are decoding: finish the stream first")
         self.model.load_state_dict(state)
         self.weights()
 
@@ -248,7 +282,8 @@ class KeelDecoder:
         """Memory of the slots and kept histories, in MiB, and counters since construction."""
         return {"slots": float(self._slots), "capacity_tokens": float(self._capacity),
                 "slot_mb": self._slots * self._capacity * self.token_bytes / 2**20,
-                "kept": float(len(self._kept)), "kept_mb": self._kept_bytes / 2**20,
+                "kept": float(len(self._kept) - len(self._prefixes)), "prefixes": float(len(self._prefixes)),
+                "kept_mb": self._kept_bytes / 2**20,
                 "budget_mb": self.budget / 2**20, **{k: float(v) for k, v in self.stats.items()}}
 
     def _drop_stale(self, stamp: tuple[int, ...]) -> None:
@@ -258,26 +293,51 @@ class KeelDecoder:
     def _forget(self, key: int) -> None:
         cache, _ = self._kept.pop(key)
         self._kept_bytes -= len(cache.token_ids) * self.token_bytes
+        if self._prefixes.get(cache.token_ids) == key:
+            del self._prefixes[cache.token_ids]
 
     def _reserve(self, capacity: int, rows: int) -> None:
-        """Slots of at least `capacity` tokens, as many as the budget allows (up to max_batch)."""
+        """Slots of at least `capacity` tokens, as many as the budget allows (up to max_batch). A
+        buffer that grows is rounded up to CAPACITY_STEP tokens where the budget allows, and the
+        rows in flight are copied into it."""
         per_slot = capacity * self.token_bytes
         slots = max(1, min(self.max_batch, rows, self.budget // max(1, per_slot)))
         if capacity <= self._capacity and slots <= self._slots:
             return
-        capacity, slots = max(capacity, self._capacity), max(slots, self._slots)
+        slots = max(slots, self._slots)
+        if self._capacity and capacity > self._capacity:  # growing: leave room for the next turns
+            room = self.budget // max(1, slots * self.token_bytes)
+            capacity = max(capacity, min(-(-capacity // CAPACITY_STEP) * CAPACITY_STEP, room))
+        capacity = max(capacity, self._capacity)
         shape = (slots, self.kv_heads, capacity, self.head_dim)
+        live, old = len(self._active), self._capacity
         # zeros, not empty: a masked key still multiplies its value by 0, and 0 * NaN is NaN
-        self._keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
-        self._values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        if live:
+            for layer in range(self.layers):
+                keys[layer][:live, :, :old] = self._keys[layer][:live]
+                values[layer][:live, :, :old] = self._values[layer][:live]
+        self._keys, self._values = keys, values
         self._slots, self._capacity = slots, capacity
 
-    def _keep(self, cache: RowCache, stamp: tuple[int, ...]) -> KeptKV:
+    def _store(self, cache: RowCache, stamp: tuple[int, ...]) -> int:
         key = next(self._next_key)
         self._kept[key] = (cache, stamp)
         self._kept_bytes += len(cache.token_ids) * self.token_bytes
         self._evict()
-        return KeptKV(key, cache.token_ids, self.id)
+        return key
+
+    def _keep(self, cache: RowCache, stamp: tuple[int, ...]) -> KeptKV:
+        return KeptKV(self._store(cache, stamp), cache.token_ids, self.id)
+
+    def _store_prefix(self, cache: RowCache, stamp: tuple[int, ...]) -> None:
+        old = self._prefixes.get(cache.token_ids)
+        if old is not None:
+            self._forget(old)
+        while len(self._prefixes) >= MAX_PREFIXES:
+            self._forget(next(key for key in self._kept if key in self._prefixes.values()))
+        self._prefixes[cache.token_ids] = self._store(cache, stamp)
 
     def _evict(self) -> None:
         room = self.budget - self._slots * self._capacity * self.token_bytes
@@ -295,68 +355,167 @@ class KeelDecoder:
                 return kept
         return None
 
-    # ------------------------------------------------------------------ generate
+    def _stored_prefix(self, context: tuple[int, ...], stamp: tuple[int, ...]) -> RowCache | None:
+        """The longest stored prefix of `context` (shorter than it) made under `stamp`, or None."""
+        best: tuple[int, RowCache] | None = None
+        for tokens, key in self._prefixes.items():
+            n = len(tokens)
+            if n < len(context) and (best is None or n > len(best[1].token_ids)) and context[:n] == tokens:
+                cache, made = self._kept[key]
+                if made == stamp:
+                    best = (key, cache)
+        if best is None:
+            return None
+        self._kept.move_to_end(best[0])
+        return best[1]
+
+    # ------------------------------------------------------------------ the stream
+    @property
+    def in_flight(self) -> int:
+        """Rows submitted and not finished (queued or decoding)."""
+        return len(self._queue) + len(self._active)
+
     @torch.no_grad()
     def generate(self, contexts: Sequence[Sequence[int]], cfg: SamplingConfig, uniforms: Tensor,
                  caches: Sequence[Any] | None = None, share_prompts: bool = True) -> list[Sample]:
-        """One Sample per context, in order (see `keelrl.policy.sampling.sample` for the contract)."""
+        """One Sample per context, in order (see `keelrl.policy.sampling.sample` for the contract):
+        `submit` them to an idle decoder and `step` until all are done."""
+        if self.in_flight:
+            raise RuntimeError(f"generate needs an idle decoder; {self.in_flight} rows of a stream are in flight")
+        tickets = self.submit(contexts, cfg, uniforms, caches, share_prompts)
+        done: dict[int, Sample] = {}
+        while self.in_flight:
+            done.update(self.step())
+        return [done[ticket] for ticket in tickets]
+
+    def submit(self, contexts: Sequence[Sequence[int]], cfg: SamplingConfig, uniforms: Tensor,
+               caches: Sequence[Any] | None = None, share_prompts: bool = True) -> list[int]:
+        """Queue contexts for decoding beside the rows in flight; returns a ticket per context (`step`
+        hands back each one's Sample). Every row of a stream samples with one `cfg` and one set of
+        weights: the weights are read when the decoder is idle, and may not change until it is idle
+        again. With `share_prompts`, equal contexts are prefilled once (the first row's keys and
+        values copied to the others), and a prefix that the rows share or that is stored from an
+        earlier call (a common system prompt, a group's context) is prefilled once."""
         if not contexts:
             return []
         if any(len(c) == 0 for c in contexts):
             raise ValueError("every context needs at least one token")
         if uniforms.shape[0] != len(contexts) or uniforms.shape[1] < cfg.max_new_tokens:
             raise ValueError(f"uniforms has shape {tuple(uniforms.shape)}; need [{len(contexts)}, >= {cfg.max_new_tokens}]")
-        weights = self.weights()
-        stamp = weights.stamp
-        rows = [_Row(i, tuple(c), uniforms[i]) for i, c in enumerate(contexts)]
+        if self.in_flight:
+            self.stats["joined_in_flight"] += len(contexts)
+        if not self.in_flight:
+            self._stream_weights, self._stream_cfg = self.weights(), cfg
+        elif cfg != self._stream_cfg:
+            raise ValueError(f"a stream samples with one SamplingConfig: {cfg} differs from the rows in flight's "
+                             f"{self._stream_cfg}")
+        elif self._stream_weights is None or weights_stamp(self.model) != self._stream_weights.stamp:
+            raise RuntimeError("the model's weights changed while rows were decoding: load new weights only "
+                               "between streams (KeelDecoder.in_flight == 0)")
+        assert self._stream_weights is not None
+        stamp = self._stream_weights.stamp
+        rows = [_Row(next(self._tickets), tuple(c), uniforms[i]) for i, c in enumerate(contexts)]
         for row, cache in zip(rows, caches or [None] * len(rows)):
             kept = self._lookup(cache, row.context, stamp) if cache is not None else None
             if kept is not None:
                 row.source, row.cached = kept, len(kept.token_ids)
-        shared: dict[tuple[int, ...], RowCache | None] = {}
-        waiting: dict[tuple[int, ...], int] = {}
+        queued: list[_Row] = []
         if share_prompts:
-            fresh = [row for row in rows if row.source is None]
-            for row in fresh:
-                if len(row.context) > 1:
-                    waiting[row.context] = waiting.get(row.context, 0) + 1
-            for row in fresh:
-                if waiting.get(row.context, 0) > 1:
-                    if row.context not in shared:
-                        shared[row.context] = None  # not prefilled yet
-                        row.owner_of = row.context
-                    else:
-                        row.shares = True
-        self._reserve(max(r.length for r in rows) + cfg.max_new_tokens, len(rows))
+            queued = self._plan_sharing([row for row in rows if row.source is None], stamp)
+        self._queue.extend(queued + rows)
+        self._reserve(max(r.length for r in rows) + cfg.max_new_tokens, self.in_flight)
         self._evict()
-        if share_prompts:
-            self._share_common_prefix([row for row in rows if row.source is None], weights, cfg)
-        queue = list(rows)
-        active: list[_Row] = []  # active[s] holds slot s
-        while queue or active:
-            self._admit(queue, active, shared, waiting)
-            step_rows = self._step(active, weights, cfg, shared)
-            for row in step_rows:
-                if row.finished:
-                    self._release(active, row, cfg, stamp)
-        return [self._sample(row, cfg) for row in rows]
+        return [row.index for row in rows]
 
-    def _admit(self, queue: list[_Row], active: list[_Row], shared: dict[tuple[int, ...], RowCache | None],
-               waiting: dict[tuple[int, ...], int]) -> None:
-        """Fill free slots from the queue, in order; a row whose shared context is still being
-        prefilled by its first row waits (later rows may go first)."""
+    def cancel(self) -> None:
+        """Drop every queued and decoding row (nothing is returned for them); the decoder is idle after."""
+        self._queue.clear()
+        self._active.clear()
+        self._pending.clear()
+
+    def _plan_sharing(self, rows: list[_Row], stamp: tuple[int, ...]) -> list[_Row]:
+        """Who prefills what among fresh rows: a context equal to an earlier row's waits for that row's
+        keys and values (or takes them from the store); the rows that run their own context start
+        from a stored prefix, or from a common prefix that a prefix row (returned, to be queued
+        first) prefills once, when they share at least MIN_COMMON_PREFIX tokens."""
+        own: list[_Row] = []
+        counts = Counter(row.context for row in rows)
+        for row in rows:
+            key = row.context[:-1]
+            if len(row.context) > 1 and key in self._pending:
+                row.waits_for = key
+                self._pending[key] += 1
+            elif len(row.context) > 1 and key in self._prefixes and self._kept[self._prefixes[key]][1] == stamp:
+                row.waits_for = key  # stored already: admitted at once
+            else:
+                own.append(row)
+                if len(row.context) > 1 and counts[row.context] > 1:
+                    row.publishes = key
+                    self._pending[key] = 0
+        fresh = []
+        for row in own:
+            stored = self._stored_prefix(row.context, stamp)
+            if stored is not None:
+                row.source, row.cached = stored, len(stored.token_ids)
+                self.stats["prefix_hits"] += 1
+            else:
+                fresh.append(row)
+        if len(fresh) < 2:
+            return []
+        common = len(os.path.commonprefix([row.context for row in fresh]))
+        common = min(common, min(len(row.context) for row in fresh) - 1)
+        if common < MIN_COMMON_PREFIX:
+            return []
+        prefix = fresh[0].context[:common]
+        pseudo = _Row(-1, prefix, fresh[0].uniforms, prefix_only=True, publishes=prefix)
+        self._pending[prefix] = len(fresh)
+        for row in fresh:
+            row.waits_for = prefix
+        fresh[0].recomputed += common
+        return [pseudo]
+
+    def step(self) -> list[tuple[int, Sample]]:
+        """Admit queued rows into free slots, run one forward over every slot (the next token of each
+        decoding row, a chunk of prefill) and sample; returns (ticket, Sample) of the rows that finished."""
+        if not self.in_flight:
+            return []
+        assert self._stream_weights is not None and self._stream_cfg is not None
+        cfg, stamp = self._stream_cfg, self._stream_weights.stamp
+        self._admit()
+        with torch.no_grad():
+            stepped = self._step(self._active, self._stream_weights, cfg)
+        done = []
+        for row in stepped:
+            if row.finished:
+                self._release(row, keep=cfg.keep_kv and not row.prefix_only, stamp=stamp)
+                if not row.prefix_only:
+                    done.append((row.index, self._sample(row)))
+        return done
+
+    def _admit(self) -> None:
+        """Fill free slots from the queue, in order; a row waiting for another's keys and values is
+        passed over until they are published (later rows may go first)."""
+        active, queue = self._active, self._queue
+        stamp = self._stream_weights.stamp if self._stream_weights is not None else ()
         position = 0
         while len(active) < self._slots and position < len(queue):
             row = queue[position]
-            if row.shares:
-                prefix = shared[row.context]
-                if prefix is None:
+            if row.waits_for is not None:
+                key = row.waits_for
+                if key in self._pending and key not in self._prefixes:
                     position += 1
                     continue
-                row.source, row.cached, row.shares = prefix, len(prefix.token_ids), False
-                waiting[row.context] -= 1
-                if waiting[row.context] == 0:
-                    del shared[row.context]
+                if key in self._pending:
+                    self._pending[key] -= 1
+                    if self._pending[key] <= 0:
+                        del self._pending[key]
+                stored = self._prefixes.get(key)
+                if stored is not None and self._kept[stored][1] == stamp:
+                    self._kept.move_to_end(stored)
+                    row.source, row.cached = self._kept[stored][0], len(key)
+                    self.stats["prefix_hits"] += 1
+                # else: evicted before this row came in: it prefills in full
+                row.waits_for = None
             queue.pop(position)
             slot = len(active)
             active.append(row)
@@ -366,13 +525,12 @@ class KeelDecoder:
                     self._values[layer][slot, :, :row.cached] = row.source.values[layer]
             row.fed = row.cached
             row.source = None
-            if row.owner_of is not None:
-                waiting[row.context] -= 1
 
-    def _release(self, active: list[_Row], row: _Row, cfg: SamplingConfig, stamp: tuple[int, ...]) -> None:
+    def _release(self, row: _Row, keep: bool, stamp: tuple[int, ...]) -> None:
         """Free a finished row's slot (the last slot's sequence moves into it); keep its history."""
+        active = self._active
         slot = active.index(row)
-        if cfg.keep_kv:
+        if keep:
             n = row.length - 1  # the last sampled token was never fed
             kept = RowCache(row.context + tuple(row.tokens[:-1]),
                             [k[slot, :, :n].clone() for k in self._keys], [v[slot, :, :n].clone() for v in self._values])
@@ -387,7 +545,18 @@ class KeelDecoder:
             active[slot] = moved
         active.pop()
 
-    def _sample(self, row: _Row, cfg: SamplingConfig) -> Sample:
+    def _publish(self, row: _Row, slot: int, stamp: tuple[int, ...]) -> None:
+        """Store the keys and values of the tokens `row.publishes` names (now in `slot`)."""
+        key = row.publishes
+        assert key is not None
+        n = len(key)
+        self._store_prefix(RowCache(key, [k[slot, :, :n].clone() for k in self._keys],
+                                    [v[slot, :, :n].clone() for v in self._values]), stamp)
+        if self._pending.get(key, 1) <= 0:
+            del self._pending[key]
+        row.publishes = None
+
+    def _sample(self, row: _Row) -> Sample:
         tokens = row.tokens
         logprobs = torch.stack(row.logprobs).tolist() if row.logprobs else []
         text = self.tokenizer.decode(tokens, skip_special_tokens=False)
@@ -395,10 +564,10 @@ class KeelDecoder:
                       recomputed=row.recomputed)
 
     # ------------------------------------------------------------------ one step
-    def _step(self, active: list[_Row], weights: _Weights, cfg: SamplingConfig,
-              shared: dict[tuple[int, ...], RowCache | None]) -> list[_Row]:
+    def _step(self, active: list[_Row], weights: _Weights, cfg: SamplingConfig) -> list[_Row]:
         """One forward over every decoding slot's next token and a chunk of prefill; samples the
-        next token of every row whose context is now fully in the cache. Returns those rows."""
+        next token of every row whose context is now fully in the cache. Returns those rows, and
+        prefix rows that are now complete (finished, nothing sampled)."""
         tick = time.perf_counter()
         decode = [(s, row) for s, row in enumerate(active) if row.fed >= len(row.context)]
         prefill = []
@@ -427,16 +596,20 @@ class KeelDecoder:
         last = list(range(n_decode))
         ready = [row for _, row in decode]
         offset = n_decode
-        for _, row, start, take in prefill:
+        complete = []
+        for s, row, start, take in prefill:
             offset += take
             row.fed += take
             row.recomputed += take
-            if row.fed >= len(row.context) and not row.prefix_only:
-                last.append(offset - 1)
-                ready.append(row)
-        for _, row, _, _ in prefill:
-            if row.owner_of is not None and row.fed >= len(row.context) - 1:
-                self._share(active, row, shared)
+            if row.publishes is not None and row.fed >= len(row.publishes):
+                self._publish(row, s, weights.stamp)
+            if row.fed >= len(row.context):
+                if row.prefix_only:
+                    row.finished = True
+                    complete.append(row)
+                else:
+                    last.append(offset - 1)
+                    ready.append(row)
         self.stats["forward_s"] += time.perf_counter() - tick
         self.stats["steps"] += 1
         self.stats["prefill_tokens"] += len(token_ids) - n_decode
@@ -451,36 +624,7 @@ class KeelDecoder:
         if not prefill:
             self.stats["decode_only_s"] += time.perf_counter() - tick
             self.stats["decode_only_tokens"] += n_decode
-        return ready
-
-    def _share_common_prefix(self, rows: list[_Row], weights: _Weights, cfg: SamplingConfig) -> None:
-        """Prefill the tokens all of `rows` begin with once (a system prompt and instructions) and
-        start each row from a copy of them, when they are at least `MIN_COMMON_PREFIX` long."""
-        if len(rows) < 2:
-            return
-        common = len(os.path.commonprefix([row.context for row in rows]))
-        common = min(common, min(len(row.context) for row in rows) - 1)
-        if common < MIN_COMMON_PREFIX:
-            return
-        pseudo = _Row(-1, rows[0].context[:common], rows[0].uniforms, prefix_only=True)
-        active = [pseudo]
-        while pseudo.fed < common:
-            self._step(active, weights, cfg, {})
-        prefix = RowCache(pseudo.context, [k[0, :, :common].clone() for k in self._keys],
-                          [v[0, :, :common].clone() for v in self._values])
-        rows[0].recomputed += common
-        for row in rows:
-            row.source, row.cached = prefix, common
-
-    def _share(self, active: list[_Row], row: _Row, shared: dict[tuple[int, ...], RowCache | None]) -> None:
-        """The first row of a shared context has its context but the last token in its slot:
-        keep a copy for the rows that share it."""
-        if row.owner_of in shared and shared[row.owner_of] is None:
-            slot = active.index(row)
-            n = len(row.context) - 1
-            shared[row.owner_of] = RowCache(row.context[:n], [k[slot, :, :n].clone() for k in self._keys],
-                                            [v[slot, :, :n].clone() for v in self._values])
-        row.owner_of = None
+        return ready + complete
 
     def _forward(self, weights: _Weights, ids: Tensor, slot_t: Tensor, pos_t: Tensor, n_decode: int, n_active: int,
                  lengths: Tensor, width: int, prefill: list[tuple[int, _Row, int, int]]) -> Tensor:
@@ -496,14 +640,19 @@ class KeelDecoder:
         key_range = torch.arange(width, device=self.device)
         decode_mask = key_range[None, :] < lengths[:, None]  # [A, W]
         decode_slots = slot_t[:n_decode]
+        # A slot range of the cache is strided (its rows are `capacity` apart): float32 matmuls read
+        # it in place, but 16-bit ones take a slow path on it, slower than a dense copy and a fast one.
+        dense = (lambda t: t.contiguous()) if self.dtype in (torch.bfloat16, torch.float16) else (lambda t: t)
+        hidden_future = [~(torch.arange(start + take, device=self.device)[None, :]
+                           <= torch.arange(start, start + take, device=self.device)[:, None])
+                         for _, _, start, take in prefill]  # [c, L] per prefill chunk: keys after the query
         for layer, w in enumerate(weights.layers):
             h = _rms_norm(x, w["ln1"], w["ln1_eps"])
             qkv = torch.nn.functional.linear(h, w["qkv"], w["qkv_bias"])
-            q = qkv[:, :heads * d].view(n, heads, d)
-            k = qkv[:, heads * d:(heads + kv_heads) * d].view(n, kv_heads, d)
+            qk = qkv[:, :(heads + kv_heads) * d].view(n, heads + kv_heads, d)
+            qk = qk * cos + _rotate_half(qk) * sin  # queries and keys rotated together
+            q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, (heads + kv_heads) * d:].view(n, kv_heads, d)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
             cache_k, cache_v = self._keys[layer], self._values[layer]
             cache_k[slot_t, :, pos_t] = k
             cache_v[slot_t, :, pos_t] = v
@@ -515,24 +664,23 @@ class KeelDecoder:
                 else:
                     q_all = torch.zeros((n_active, kv_heads, group, d), dtype=x.dtype, device=x.device)
                     q_all[decode_slots] = q[:n_decode].view(n_decode, kv_heads, group, d)
-                keys = cache_k[:n_active, :, :width]  # [A, KVH, W, D]
+                keys = dense(cache_k[:n_active, :, :width])  # [A, KVH, W, D]
                 scores = torch.matmul(q_all, keys.transpose(-1, -2)) * scale  # [A, KVH, G, W]
                 scores = scores.masked_fill(~decode_mask[:, None, None, :], float("-inf"))
                 probs = torch.softmax(scores, dim=-1, dtype=soft_dtype).to(x.dtype)
-                attended = torch.matmul(probs, cache_v[:n_active, :, :width])  # [A, KVH, G, D]
+                attended = torch.matmul(probs, dense(cache_v[:n_active, :, :width]))  # [A, KVH, G, D]
                 picked = attended if n_decode == n_active else attended[decode_slots]
                 out[:n_decode] = picked.reshape(n_decode, heads, d)
             offset = n_decode
-            for s, _, start, take in prefill:
+            for (s, _, start, take), future in zip(prefill, hidden_future):
                 span = start + take
                 q_p = q[offset:offset + take].view(take, kv_heads, group, d).permute(1, 2, 0, 3)  # [KVH, G, c, D]
-                keys = cache_k[s, :, :span]  # [KVH, L, D]
+                keys = dense(cache_k[s, :, :span])  # [KVH, L, D]
                 scores = torch.matmul(q_p.reshape(kv_heads, group * take, d), keys.transpose(-1, -2)) * scale
                 scores = scores.view(kv_heads, group, take, span)
-                causal = torch.arange(span, device=self.device)[None, :] <= torch.arange(start, span, device=self.device)[:, None]
-                scores = scores.masked_fill(~causal, float("-inf"))
+                scores = scores.masked_fill(future, float("-inf"))
                 probs = torch.softmax(scores, dim=-1, dtype=soft_dtype).to(x.dtype)
-                attended = torch.matmul(probs.view(kv_heads, group * take, span), cache_v[s, :, :span])
+                attended = torch.matmul(probs.view(kv_heads, group * take, span), dense(cache_v[s, :, :span]))
                 out[offset:offset + take] = attended.view(kv_heads, group, take, d).permute(2, 0, 1, 3).reshape(take, heads, d)
                 offset += take
             x = x + torch.nn.functional.linear(out.view(n, heads * d), w["o"], w["o_bias"])

@@ -76,7 +76,7 @@ import torch
 
 from keelrl.runs import atomic_write_text, exclusive_lock
 
-PROBE_VERSION = 1
+PROBE_VERSION = 2
 """Bumped when the probes or the choice rule change: older cache files are then measured again."""
 USES = ("eval", "rollout", "learner")
 SETTINGS = ("auto", "float32", "bfloat16", "float64")
@@ -99,7 +99,10 @@ LEARNER_ROWS, LEARNER_TOKENS, HEAD_POSITIONS = 2, 128, 32
 TIMED_LAYERS = 2
 MATMUL_COLUMNS = 8192
 WARM_UP_SLACK = 5.0
-"""A warm-up (which may start a library's kernels) may take this many times a candidate's give-up time."""
+"""A warm-up (which may start a library's kernels) may take this many times a candidate's give-up time,"""
+WARM_UP_FLOOR_S = 0.25
+"""and at least this long: a library builds its kernel for each new shape on the first call (oneDNN's
+bf16 matmuls take a millisecond or more), which says nothing about the calls after it."""
 CPU_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
              "amx_tile", "amx_bf16", "amx_fp16", "amx_int8")
 """The /proc/cpuinfo flags that change how fast float32 and bf16 matrices multiply."""
@@ -331,12 +334,13 @@ _SHAPE_NAMES = {**{str(n): f"{n} tokens" for n in MATMUL_TOKENS}, "head_8": f"th
 def _best_time(run: Callable[[], Any], repeats: int = 3, give_up_after: float | None = None,
                warm_up: bool = True) -> float | None:
     """The least of `repeats` timed calls of `run` after one warm-up; None once a call took longer
-    than `give_up_after` seconds, or the warm-up WARM_UP_SLACK times that (it lost: no need for a
-    precise figure, and a slow candidate must not cost seconds)."""
+    than `give_up_after` seconds, or the warm-up WARM_UP_SLACK times that and over WARM_UP_FLOOR_S
+    (it lost: no need for a precise figure, and a slow candidate must not cost seconds)."""
     if warm_up:
         began = time.perf_counter()
         run()
-        if give_up_after is not None and time.perf_counter() - began > WARM_UP_SLACK * give_up_after:
+        if give_up_after is not None and time.perf_counter() - began > max(WARM_UP_SLACK * give_up_after,
+                                                                          WARM_UP_FLOOR_S):
             return None
     best = math.inf
     for _ in range(repeats):

@@ -23,7 +23,7 @@ from keelrl.rollout.scheduler import (ActFn, EpisodeInFlight, EpisodeScheduler, 
                                       observation_tokens, prompt_tokens)
 from keelrl.rollout.trajectory import Trajectory
 
-__all__ = ["ActFn", "EpisodeInFlight", "EpisodeLimits", "model_actor",
+__all__ = ["ActFn", "ActionStream", "EpisodeInFlight", "EpisodeLimits", "model_actor",
            "observation_tokens", "prompt_tokens", "run_episodes", "scripted_actor"]
 
 
@@ -50,7 +50,10 @@ def model_actor(model: Any, tokenizer: Any, sampling: SamplingConfig) -> ActFn:
 
     Each episode draws its uniforms from its own generator, so its actions do not depend on the
     batch it shares. The decoder (`sampling.decoder`) is built once and kept across calls, so an
-    episode's kept keys and values (`sampling.keep_kv`) serve its next turn.
+    episode's kept keys and values (`sampling.keep_kv`) serve its next turn. A decoder that can
+    stream (`submit` and `step`, as keelrl's own) is also offered as `act.stream`, an
+    `ActionStream`: the scheduler then adds episodes to the batch being decoded as they become
+    ready, instead of waiting for the whole batch to finish.
     """
     from keelrl.policy.decoders import build_decoder
 
@@ -58,14 +61,7 @@ def model_actor(model: Any, tokenizer: Any, sampling: SamplingConfig) -> ActFn:
                             kv_budget_mb=sampling.kv_budget_mb)
 
     def act(active: Sequence[EpisodeInFlight]) -> list[tuple[list[int], list[float], str]]:
-        import torch
-
-        reserved = min(episode.reserved for episode in active)
-        if sampling.max_new_tokens > reserved:
-            raise ValueError(f"sampling.max_new_tokens={sampling.max_new_tokens} is more than the "
-                             f"{reserved} tokens the rollout reserves for an action (EpisodeLimits."
-                             f"max_new_tokens): an action could overflow max_context_tokens")
-        uniforms = torch.stack([draw_uniforms(episode.generator, sampling.max_new_tokens) for episode in active])
+        uniforms = _uniforms(active, sampling)
         caches = [episode.kv for episode in active] if sampling.keep_kv else None
         samples = decoder.generate([episode.trajectory.token_ids for episode in active], sampling, uniforms,
                                    caches=caches)
@@ -75,7 +71,57 @@ def model_actor(model: Any, tokenizer: Any, sampling: SamplingConfig) -> ActFn:
         return [(s.token_ids, s.logprobs, s.text) for s in samples]
 
     act.decoder = decoder  # type: ignore[attr-defined]  # its cache_usage() and counters, for logs and benchmarks
+    act.stream = ActionStream(decoder, sampling) if hasattr(decoder, "submit") else None  # type: ignore[attr-defined]
     return act
+
+
+def _uniforms(active: Sequence[EpisodeInFlight], sampling: SamplingConfig) -> Any:
+    import torch
+
+    reserved = min(episode.reserved for episode in active)
+    if sampling.max_new_tokens > reserved:
+        raise ValueError(f"sampling.max_new_tokens={sampling.max_new_tokens} is more than the "
+                         f"{reserved} tokens the rollout reserves for an action (EpisodeLimits."
+                         f"max_new_tokens): an action could overflow max_context_tokens")
+    return torch.stack([draw_uniforms(episode.generator, sampling.max_new_tokens) for episode in active])
+
+
+class ActionStream:
+    """Episodes' next actions from a streaming decoder: `submit` episodes at any time, `step` the
+    decoder once and get back the episodes whose action finished. Each episode's tokens are those
+    `act` would give it (its own uniforms, its own kept keys and values), whichever episodes
+    shared its steps."""
+
+    def __init__(self, decoder: Any, sampling: SamplingConfig) -> None:
+        self.decoder, self.sampling = decoder, sampling
+        self._episodes: dict[int, EpisodeInFlight] = {}
+
+    @property
+    def busy(self) -> bool:
+        """Rows are queued or decoding (new weights may be loaded only when not)."""
+        return bool(self.decoder.in_flight)
+
+    def submit(self, episodes: Sequence[EpisodeInFlight]) -> None:
+        if not episodes:
+            return
+        caches = [episode.kv for episode in episodes] if self.sampling.keep_kv else None
+        tickets = self.decoder.submit([episode.trajectory.token_ids for episode in episodes], self.sampling,
+                                      _uniforms(episodes, self.sampling), caches=caches)
+        self._episodes.update(zip(tickets, episodes))
+
+    def step(self) -> list[tuple[EpisodeInFlight, tuple[list[int], list[float], str]]]:
+        out = []
+        for ticket, s in self.decoder.step():
+            episode = self._episodes.pop(ticket)
+            episode.kv = s.cache
+            episode.recomputed += s.recomputed
+            out.append((episode, (s.token_ids, s.logprobs, s.text)))
+        return out
+
+    def cancel(self) -> None:
+        """Drop every row in flight (their episodes get no action)."""
+        self.decoder.cancel()
+        self._episodes.clear()
 
 
 def scripted_actor(tokenizer: Any, policies: Sequence[Callable[[str, Sequence[Turn]], str]]) -> ActFn:

@@ -80,7 +80,7 @@ def staleness_metrics(step: int, trajectories: Sequence[Trajectory], max_stalene
 
 def scheduler_metrics(stats: SchedulerStats) -> dict[str, float]:
     return {"time/rollout_generate_s": stats.generate_s, "time/rollout_idle_s": stats.idle_s,
-            "engine/in_flight_mean": stats.in_flight_sum / max(1, stats.batches + 1),
+            "engine/in_flight_mean": stats.in_flight_sum / max(1, stats.rounds),
             "engine/in_flight_max": float(stats.in_flight_max), "engine/groups_admitted": float(stats.admitted),
             "engine/prefill_tokens": float(stats.prefill_tokens)}
 

@@ -6,7 +6,10 @@ seed, and the oldest policy version allowed to start it). Each call of `run_once
 1. admits waiting requests whose `min_version` the held weights satisfy (in request order);
 2. collects finished environment work (resets, tool calls, gradings run in a thread pool);
 3. generates the next action of every episode that is waiting for one, in one batch, tagging
-   the turn with the version of the weights that produced it;
+   the turn with the version of the weights that produced it; with a streaming actor
+   (`act.stream`, keelrl's own decoder) it adds those episodes to the batch being decoded and
+   runs one decode step, so an episode that becomes ready joins at the next token instead of
+   waiting for a whole batch to finish, and a finished action goes to its environment at once;
 4. hands back every group whose G episodes are all graded.
 
 An episode waiting on a slow tool call never holds up the others: the next generation batch
@@ -24,7 +27,9 @@ raises stops the run: the verifier failed, and no reward is made up for it.
 
 Weights: before each generation batch the scheduler calls `refresh()`, which loads the newest
 published weights, if any, and returns the version now held ("interruptible": an episode in
-flight continues under the new weights, each turn recording its version). With
+flight continues under the new weights, each turn recording its version). A streaming actor
+loads them only when nothing is decoding: while newer weights wait, ready episodes are held
+until the batch drains (at most one action's tokens), so no action mixes two versions. With
 `interruptible=False` new weights are loaded only when no episode is in flight, and no request
 is admitted while newer weights wait, so every episode finishes under the weights it began with.
 """
@@ -147,6 +152,10 @@ class EpisodeInFlight:
     kv_version: int = -1
     recomputed: int = 0
     """Context tokens the sampler ran for this episode (prefills), over all its turns."""
+    recomputed_counted: int = 0
+    """Of `recomputed`, what the scheduler's stats have counted (streaming actors)."""
+    submitted: float = 0.0
+    """When its current action was submitted to a streaming actor."""
 
     @property
     def task(self) -> Any:
@@ -166,8 +175,11 @@ class SchedulerStats:
     idle_s: float = 0.0
     """Time with no episode ready to act (waiting on tools, gradings, admission or requests)."""
     in_flight_sum: float = 0.0
+    """Episodes in flight, summed over scheduling rounds (`rounds`)."""
     in_flight_max: int = 0
+    rounds: int = 0
     batches: int = 0
+    """Generation batches (a streaming actor: submissions to the batch being decoded)."""
     tokens_by_version: dict[int, int] = field(default_factory=dict)
     admitted: int = 0
     prefill_tokens: int = 0
@@ -213,6 +225,8 @@ class EpisodeScheduler:
     def __init__(self, make_env: Callable[[], Any], tokenizer: Any, act: ActFn, cfg: EpisodeLimits,
                  refresh: Callable[[], int] | None = None, has_newer: Callable[[], bool] | None = None) -> None:
         self.make_env, self.tokenizer, self.act, self.cfg = make_env, tokenizer, act, cfg
+        self.stream: Any = getattr(act, "stream", None)
+        """The actor's `ActionStream` when it has one: episodes join the batch being decoded."""
         self.version: int = 0
         self.refresh = refresh or (lambda: self.version)
         self.has_newer = has_newer or (lambda: False)
@@ -254,6 +268,8 @@ class EpisodeScheduler:
         return stats
 
     def close(self) -> None:
+        if self.stream is not None:
+            self.stream.cancel()
         for future, (_, episode) in list(self._futures.items()):
             future.cancel()
         self.pool.shutdown(wait=True, cancel_futures=True)
@@ -268,7 +284,7 @@ class EpisodeScheduler:
             self._waiting.extend(self._incoming)
             self._incoming.clear()
         if self.cfg.interruptible:
-            if self._waiting and self._waiting[0].min_version > self.version:
+            if self._waiting and self._waiting[0].min_version > self.version and not self._decoding():
                 self.version = self.refresh()  # nothing may be generating: new weights must still admit
         elif self.has_newer():
             if not self._groups:
@@ -291,6 +307,10 @@ class EpisodeScheduler:
                 reset = _reset_counted if self.cfg.label_steps else _reset
                 self._futures[self.pool.submit(self._timed, reset, episode.env, request.task,
                                                self._base_passes)] = ("reset", episode)
+
+    def _decoding(self) -> bool:
+        """A streaming actor has rows in flight (weights may not change under them)."""
+        return self.stream is not None and self.stream.busy
 
     @staticmethod
     def _timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
@@ -406,9 +426,7 @@ class EpisodeScheduler:
         if self.cfg.interruptible:
             self.version = self.refresh()
         batch, self._ready = self._ready, []
-        for episode in batch:  # keys and values made under other weights are not this policy's
-            if episode.kv is not None and episode.kv_version != self.version:
-                episode.kv = None
+        self._drop_stale_kv(batch)
         before = sum(episode.recomputed for episode in batch)
         tick = time.monotonic()
         actions = self.act(batch)
@@ -420,23 +438,72 @@ class EpisodeScheduler:
         self.stats.batches += 1
         for episode, (tokens, logprobs, text) in zip(batch, actions):
             episode.seconds["generate"] += seconds
-            trajectory = episode.trajectory
-            trajectory.extend(tokens, action=True, turn=episode.turn, logprobs=logprobs)
-            episode.last_action = list(tokens)
-            trajectory.actions.append(text)
-            trajectory.versions.append(self.version)
-            counts = self.stats.tokens_by_version
-            counts[self.version] = counts.get(self.version, 0) + len(tokens)
-            step = _step_counted if self.cfg.label_steps else _step
-            self._futures[self.pool.submit(self._timed, step, episode.env, text)] = ("step", episode)
+            self._acted(episode, tokens, logprobs, text, self.version)
+
+    def _drop_stale_kv(self, batch: Sequence[EpisodeInFlight]) -> None:
+        for episode in batch:  # keys and values made under other weights are not this policy's
+            if episode.kv is not None and episode.kv_version != self.version:
+                episode.kv = None
+
+    def _acted(self, episode: EpisodeInFlight, tokens: list[int], logprobs: list[float], text: str,
+               version: int) -> None:
+        """Record an episode's new action (made under weights `version`) and send it to its env."""
+        trajectory = episode.trajectory
+        trajectory.extend(tokens, action=True, turn=episode.turn, logprobs=logprobs)
+        episode.last_action = list(tokens)
+        trajectory.actions.append(text)
+        trajectory.versions.append(version)
+        counts = self.stats.tokens_by_version
+        counts[version] = counts.get(version, 0) + len(tokens)
+        step = _step_counted if self.cfg.label_steps else _step
+        self._futures[self.pool.submit(self._timed, step, episode.env, text)] = ("step", episode)
+
+    def _stream_round(self) -> None:
+        """Streaming actor: add the ready episodes to the decoder's batch, run one decode step and
+        send the finished actions on. Weights are loaded only while nothing decodes; while newer
+        weights wait (interruptible), ready episodes are held until the decoder drains, so every
+        action is made under one version."""
+        stream = self.stream
+        assert stream is not None
+        if self._ready:
+            if not stream.busy:
+                if self.cfg.interruptible:
+                    self.version = self.refresh()
+                submit = True
+            else:
+                submit = not (self.cfg.interruptible and self.has_newer())
+            if submit:
+                batch, self._ready = self._ready, []
+                self._drop_stale_kv(batch)
+                now = time.monotonic()
+                for episode in batch:
+                    episode.kv_version = self.version
+                    episode.submitted = now
+                stream.submit(batch)
+                self.stats.batches += 1
+        if stream.busy:
+            tick = time.monotonic()
+            finished = stream.step()
+            now = time.monotonic()
+            self.stats.generate_s += now - tick
+            for episode, (tokens, logprobs, text) in finished:
+                episode.seconds["generate"] += now - episode.submitted
+                self.stats.prefill_tokens += episode.recomputed - episode.recomputed_counted
+                episode.recomputed_counted = episode.recomputed
+                self._acted(episode, tokens, logprobs, text, episode.kv_version)
 
     def run_once(self, timeout: float = 0.05) -> list[GroupResult]:
         """One scheduling round (see the module docstring); waits up to `timeout` s when nothing is ready."""
         self._admit()
         in_flight = self.in_flight
         self.stats.in_flight_sum += in_flight
+        self.stats.rounds += 1
         self.stats.in_flight_max = max(self.stats.in_flight_max, in_flight)
-        if self._ready:
+        if self.stream is not None and (self._ready or self.stream.busy):
+            results = self._collect(0.0)
+            self._stream_round()
+            return results
+        if self.stream is None and self._ready:
             results = self._collect(0.0)
             self._generate()
             return results
