@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import FAST_RUN
 
 from keelrl.components import check
@@ -286,3 +287,30 @@ def test_a_run_told_its_start_was_evaluated_elsewhere_skips_the_step_0_evaluatio
     assert [row["step"] for row in rows] == [1, 2] and "eval/success" in rows[1]
     assert summary["eval_success_before_rl"] is None and "rl_lift" not in summary
     assert summary["heldout_final"]["tasks"] == 3
+
+
+def test_adamw_is_fused_on_cpu_and_makes_the_per_tensor_loops_update():
+    """keelrl.train.learner.adamw: the fused kernel where the device has one, the same update as
+    torch's per-tensor AdamW (float64, three steps with weight decay)."""
+    from keelrl.train.learner import adamw
+
+    generator = torch.Generator().manual_seed(0)
+    start = [torch.randn(5, 3, generator=generator, dtype=torch.float64), torch.randn(7, generator=generator,
+                                                                                   dtype=torch.float64)]
+    grads = [[torch.randn(p.shape, generator=generator, dtype=torch.float64) for p in start] for _ in range(3)]
+    results = []
+    for make in (lambda ps: adamw(ps, lr=0.1, weight_decay=0.01),
+                 lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.01, foreach=False)):
+        params = [torch.nn.Parameter(p.clone()) for p in start]
+        optimizer = make(params)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            optimizer.step()
+        results.append(params)
+        if len(results) == 1:
+            assert optimizer.defaults["fused"] is True
+    for fused, loop in zip(*results):
+        torch.testing.assert_close(fused.detach(), loop.detach(), rtol=0, atol=1e-12)
+        assert fused._version >= 3  # each step is seen as an in-place write: decoders reload the weights
+    assert adamw([torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))], lr=0.1, weight_decay=0).defaults["fused"]

@@ -190,6 +190,27 @@ class UpdateResult:
     prox_logp: Tensor
 
 
+def adamw(params: Sequence[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW, its update fused into one kernel over all tensors where torch has one for the
+    parameters' device (CPU and CUDA among them), else the per-tensor loop. The same update; the
+    fused kernel reads and writes each tensor once instead of once per elementwise operation
+    (docs/measurements.md#fused-adamw). Every step bumps the parameters' version counters, as an
+    in-place write does."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    params = list(params)
+    devices = {p.device.type for p in params}
+    fused = bool(params) and devices <= set(_get_fused_kernels_supported_devices()) and all(
+        p.dtype.is_floating_point for p in params)
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
+    if fused:
+        # The fused kernel writes the parameters without bumping their version counters, which is
+        # how a decoder notices new weights (keelrl.policy.decode.weights_stamp): bump them here.
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: torch.autograd.graph.increment_version(
+            [p for group in opt.param_groups for p in group["params"]]))
+    return optimizer
+
+
 class Learner:
     """The policy's (and critic's) optimiser and the micro-batched passes that feed it."""
 
@@ -206,7 +227,7 @@ class Learner:
         return params
 
     def new_optimizer(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.cfg.optim.lr, weight_decay=self.cfg.optim.weight_decay)
+        return adamw(self.parameters(), lr=self.cfg.optim.lr, weight_decay=self.cfg.optim.weight_decay)
 
     def autocast(self) -> Any:
         """The learner's precision context (`perf.learner_precision`); sampling never uses it."""

@@ -19,7 +19,7 @@ from keelrl.config import KeelConfig
 from keelrl.envs.registry import EnvSpec
 from keelrl.rollout.agent_loop import EpisodeLimits, run_episodes, scripted_actor
 from keelrl.rollout.trajectory import collate
-from keelrl.train.learner import Learner
+from keelrl.train.learner import Learner, adamw
 
 
 def warm_start(cfg: KeelConfig, env_spec: EnvSpec, train_tasks: Sequence[Any], make_env: Callable[[], Any],
@@ -43,7 +43,7 @@ def warm_start(cfg: KeelConfig, env_spec: EnvSpec, train_tasks: Sequence[Any], m
         raise RuntimeError(f"warm start: none of the teacher's {ws.demos} demonstrations succeeded "
                            f"(env.max_turns={cfg.env.max_turns} may be too few for the task)")
     progress("warm_start", {"demos": len(demos)})
-    optimizer = torch.optim.AdamW(learner.model.parameters(), lr=ws.lr)
+    optimizer = adamw(list(learner.model.parameters()), lr=ws.lr, weight_decay=0.01)  # torch's AdamW default
     learner.model.train()
     losses = []
     for epoch in range(ws.epochs):
