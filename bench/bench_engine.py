@@ -6,11 +6,14 @@ Five measurements, in one process, one after another (nothing else of ours runs 
 1. Roofline: `torch.nn.functional.linear` at the model's own shapes (q/k/v fused, o, gate/up
    fused, down, the vocabulary head) for 1, 16, 64 and 512 token rows, float32 and bfloat16:
    GFLOP/s each; the peak of a dtype is its best shape.
-2. Engine throughput: the keel decoder alone on B prompts of the evaluation (B = 1 ... 64), in
+2. Engine throughput and where a decode step's time goes: the keel decoder alone on B prompts of
+   the evaluation (B = 1 ... 64), in
    float32 and bfloat16: prefill tokens/s (a call that samples one token) and decode tokens/s (the
    steps of a call with exactly N new tokens that ran no prompt token, timed inside the decoder),
    with the FLOPs they did (2 x parameters per token through the layers, the head only where a
-   token is sampled, attention 4 x heads x head_dim x keys) as a share of that dtype's peak.
+   token is sampled, attention 4 x heads x head_dim x keys) as a share of that dtype's peak; and at
+   the largest B, a decode step's milliseconds by kind of work (weight matmuls, attention
+   matmuls, copies and casts, softmax, other: torch.profiler's self CPU time per op).
 3. Workloads of the default run, through the real agent loop (`run_episodes`, the coding
    environment, sandboxed grading): the held-out evaluation (one attempt per task, greedy, up to
    `rollout.max_new_tokens`) and one RL step's rollouts (8 tasks x 4 attempts, the run's
@@ -162,6 +165,47 @@ def engine_rows(model: Any, tokenizer: Any, prompts: list[list[int]], batches: l
     return out
 
 
+STEP_KINDS = {"aten::mm": "weight matmuls", "aten::addmm": "weight matmuls", "aten::bmm": "attention matmuls",
+              "aten::copy_": "copies and casts", "aten::_softmax": "softmax", "aten::_log_softmax": "softmax"}
+"""torch ops -> the kind of work a decode step's breakdown files them under (the rest: other)."""
+
+
+def step_breakdown(model: Any, tokenizer: Any, prompts: list[list[int]], batch: int, dtype: str,
+                   steps: int = 6) -> dict[str, Any]:
+    """Where a decode step's time goes: `batch` rows decoding (no prefill), milliseconds per step
+    by kind of work (`STEP_KINDS`, from torch.profiler's self CPU time of each op; the profiler's
+    own cost lands in other), and the step's wall time unprofiled."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from keelrl.policy.decode import KeelDecoder
+    from keelrl.policy.sampling import SamplingConfig, draw_uniforms
+
+    rows = [prompts[i % len(prompts)] + [prompts[i % len(prompts)][-1]] * (i // len(prompts)) for i in range(batch)]
+    decoder = KeelDecoder(model, tokenizer, max_batch=batch, dtype=DTYPES[dtype])
+    new = 2 * steps + 8 + sum(len(r) for r in rows) // decoder.prefill_tokens  # the first rows decode while others prefill
+    uniforms = draw_uniforms(torch.Generator().manual_seed(0), batch * new).view(batch, new)
+    decoder.submit(rows, SamplingConfig(temperature=0.0, max_new_tokens=new, min_new_tokens=new, stop=()), uniforms,
+                   share_prompts=False)
+    before = -1.0
+    while decoder.stats["prefill_tokens"] != before:  # until a step runs no prompt token
+        before = decoder.stats["prefill_tokens"]
+        decoder.step()
+    tick = time.perf_counter()
+    for _ in range(steps):
+        decoder.step()
+    wall_ms = (time.perf_counter() - tick) / steps * 1e3
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            decoder.step()
+    decoder.cancel()
+    kinds: dict[str, float] = {}
+    for event in prof.key_averages():
+        kind = STEP_KINDS.get(event.key, "other")
+        kinds[kind] = kinds.get(kind, 0.0) + event.self_cpu_time_total / 1e3 / steps
+    return {"dtype": dtype, "batch": batch, "wall_ms": wall_ms, "kinds_ms": kinds,
+            "keys": sum(len(r) for r in rows) / batch}
+
+
 # --------------------------------------------------------------------------- 3. workloads
 def workload(cfg: Any, spec: Any, model: Any, tokenizer: Any, tasks: list[Any], decoder: str, *, group: int,
              temperature: float, training: bool, dtype: torch.dtype, stream: bool = True) -> dict[str, Any]:
@@ -298,6 +342,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"matmul peak: {peaks}", flush=True)
     engine = [row for dtype in args.dtypes
               for row in engine_rows(model, tokenizer, prompts, args.batches, args.decode_tokens, peaks[dtype], dtype)]
+    breakdown = [step_breakdown(model, tokenizer, prompts, max(args.batches), dtype) for dtype in args.dtypes]
     rollout_tasks = list(train_tasks)[:cfg.rollout.tasks_per_step]
     workloads = []
     for dtype in args.dtypes:
@@ -328,13 +373,14 @@ def main(argv: list[str] | None = None) -> None:
                 break
     defaults = {"eval": (str(eval_auto).removeprefix("torch."), eval_why), "rollout": cfg.rollout.dtype}
     section = summarise(args, roof, peaks, engine, workloads, streaming, llama, llama_error, defaults,
-                        time.perf_counter() - started)
+                        time.perf_counter() - started, breakdown)
     write_section(args.out, section)
 
 
 def summarise(args: argparse.Namespace, roof: list[dict[str, Any]], peaks: dict[str, float],
               engine: list[dict[str, Any]], workloads: list[dict[str, Any]], streaming: dict[str, Any],
-              llama: list[dict[str, Any]], llama_error: str, defaults: dict[str, Any], seconds: float) -> Section:
+              llama: list[dict[str, Any]], llama_error: str, defaults: dict[str, Any], seconds: float,
+              breakdown: list[dict[str, Any]]) -> Section:
     info = machine()
     lines = [f"Model {args.model}, {info['torch_threads']} torch threads, on {info['cpu']} ({info['cores']} cores, "
              f"{info['cpu_capability']}). The default run evaluates in {defaults['eval'][0]} (eval.dtype=auto: "
@@ -352,6 +398,14 @@ def summarise(args: argparse.Namespace, roof: list[dict[str, Any]], peaks: dict[
     for row in engine:
         lines.append(f"| {row['dtype']} | {row['batch']} | {row['prefill_tok_s']:.0f} | {row['prefill_peak_share']:.0%} | "
                      f"{row['decode_tok_s']:.0f} | {row['decode_peak_share']:.0%} | {row['noisy']} |")
+    kinds = ["weight matmuls", "attention matmuls", "copies and casts", "softmax", "other"]
+    lines += ["", "Where a decode step's time goes (every row decoding, none prefilling; ms per step by torch op, "
+                  "from the profiler's self CPU time, its own cost in other):", "",
+              "| dtype | batch | mean keys | wall ms (unprofiled) | " + " | ".join(kinds) + " |",
+              "|---|---|---|---|" + "---|" * len(kinds)]
+    for b in breakdown:
+        lines.append(f"| {b['dtype']} | {b['batch']} | {b['keys']:.0f} | {b['wall_ms']:.0f} | "
+                     + " | ".join(f"{b['kinds_ms'].get(kind, 0.0):.0f}" for kind in kinds) + " |")
     lines += ["", "Workloads of the default run through the agent loop (environment and grading included):", "",
               "| workload | dtype | episodes | hf s | keel s | hf / keel | same actions | keel decoder share | "
               "solved hf / keel | noisy hf / keel |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -406,7 +460,8 @@ def summarise(args: argparse.Namespace, roof: list[dict[str, Any]], peaks: dict[
     return Section(name="engine", title="Decode engine against HF generate and llama.cpp", markdown="\n".join(lines),
                    ratios=ratios, smoke=args.smoke, seconds=seconds,
                    data={"roofline": roof, "peaks": peaks, "engine": engine, "workloads": workloads,
-                         "streaming": streaming, "llamacpp": llama, "defaults": defaults, "machine": info})
+                         "streaming": streaming, "llamacpp": llama, "defaults": defaults, "breakdown": breakdown,
+                         "machine": info})
 
 
 def linear_shapes_names(roof: list[dict[str, Any]]) -> list[str]:

@@ -62,3 +62,5 @@ def test_smoke_run_writes_a_section_with_every_ratio_and_each_workloads_floor(tm
     assert streaming["same_actions"] == streaming["episodes"]  # streaming changes no token (float32 ties aside)
     assert {row["dtype"] for row in section["data"]["engine"]} == {"float32", "bfloat16"}
     assert "llama.cpp: not measured" in section["markdown"]
+    for breakdown in section["data"]["breakdown"]:
+        assert breakdown["wall_ms"] > 0 and breakdown["kinds_ms"]["weight matmuls"] > 0

@@ -19,6 +19,12 @@ by passing it):
   effect: every decoder notices the change by itself.
 - `cache_usage() -> dict[str, float]`: what its caches hold (MiB, counts), for logs.
 
+Optional, streaming (keelrl's own decoder has it; the agent loop uses it where present):
+`submit(contexts, cfg, uniforms, caches=None) -> tickets` queues rows beside those in flight,
+`step() -> [(ticket, Sample)]` runs one decode step and returns the rows that finished,
+`in_flight` counts rows queued or decoding, and `cancel()` drops them. A row's Sample is the one
+`generate` would give it; weights may change only while `in_flight` is 0.
+
 Registered: `keel` (keelrl's own decode loop, `keelrl.policy.decode`), `hf` (HF `generate`
 through `keelrl.policy.sampling.sample`, the reference), and `auto` (keel where it supports the
 model, else hf). A builder takes (model, tokenizer, options) and returns the decoder.

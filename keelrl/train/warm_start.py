@@ -13,7 +13,6 @@ import math
 import random
 from typing import Any, Callable, Sequence
 
-import torch
 
 from keelrl.config import KeelConfig
 from keelrl.envs.registry import EnvSpec
