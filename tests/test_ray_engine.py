@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import types
 
 import pytest
@@ -23,12 +25,16 @@ from keelrl.train.trainer import Trainer
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ["RAY_TMPDIR"] = str(tmp_path_factory.mktemp("ray"))
+    # A short path of its own: Ray's socket paths under it must fit AF_UNIX's 107 bytes, which a
+    # pytest temp dir (deeper under pytest-xdist's per-worker folders) does not leave room for.
+    tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    os.environ["RAY_TMPDIR"] = tmp
     init_local_ray(num_cpus=2)
     yield
     ray.shutdown()
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_ray_engine_trains_the_tiny_model(cluster, tiny_model_dir, tmp_path):
