@@ -1,17 +1,32 @@
 """The bundled coding tasks: the lecture's `retry_count` fixture and a seeded family of bug fixes.
 
 Every generated task is one short module of plain Python (no imports) with a single bug of a
-named kind, a visible test file rendered by `render_test_file`, and hidden checks made of the
-visible cases plus extra ones, exactly one of them marked `key`: the headline case the bug
-breaks, as retries=0 is for the lecture's fixture. Each task ships the reference fix (one or two
-lines replaced), a plausible `wrong_fix` (a partial fix that still fails a hidden check and, where
-the bug allows, passes the key check, like the lecture's `config.get("retries", 3)`), and a
+named kind (two in `two_defects`), a visible test file rendered by `render_test_file`, and hidden
+checks made of the visible cases plus extra ones, exactly one of them marked `key`: the headline
+case the bug breaks, as retries=0 is for the lecture's fixture. Each task ships the reference fix
+(one or two lines replaced), a plausible `wrong_fix` (a partial fix that still fails a hidden check
+and, where the bug allows, passes the key check, like the lecture's `config.get("retries", 3)`), and a
 `brittle_phrase` from the reference fix that an equally good rewrite need not contain.
 
-What this module guarantees (tests/test_coding_tasks.py checks it for every task): the reference
-fix passes every check; the buggy code fails the key check and at least one visible test; the
-wrong fix fails at least one hidden check; ids and buggy sources are distinct; the same seed gives
-identical tasks, and `generate_tasks(seed, n)` is a prefix of `generate_tasks(seed)`.
+Three more kinds, `AGENT_KINDS`, are opt-in (`generate_tasks(seed, kinds=KINDS + AGENT_KINDS)`):
+tasks where one look at the file rarely suffices and the output of the `test` tool says what to
+change. In `hidden_edge_value` an edge case's expected value (a placeholder, a clamp bound, a
+fallback, a wording) is stated only by the failing visible test of the key check, never by the
+prompt or the code; the buggy code returns a wrong value there rather than crashing, so the test's
+message shows the value. In `two_defects` a crash on some inputs hides a wrong value behind it: every
+visible test the buggy code fails, fails with the crash; the wrong fix repairs only the crash, so the
+key check passes and a different visible test fails with a wrong value; the reference fix repairs
+both. In `tests_only_behaviour` the prompt names only the function and the files, and the code has
+no docstring: the visible tests pin the behaviour (the buggy code and the wrong fix each fail one)
+and the hidden checks are more cases of it. A wrong fix of these kinds may fail the key check too
+(a guessed fallback does).
+
+What this module guarantees (tests/test_coding_tasks.py checks it for every task of `KINDS`,
+tests/test_agent_kinds.py for `AGENT_KINDS`): the reference fix passes every check; the buggy code
+fails the key check and at least one visible test; the wrong fix fails at least one hidden check;
+ids and buggy sources are distinct; the same seed gives identical tasks, `generate_tasks(seed, n)`
+is a prefix of `generate_tasks(seed)`, and appending kinds to `kinds` leaves the tasks of the kinds
+before them unchanged (the default `kinds=KINDS` tasks, which recorded runs depend on, stay as they are).
 What it does NOT guarantee: that the hidden checks pin the intended behaviour down completely
 (a fix that passes them all can still differ on inputs nobody checks), that tasks are hard, or
 that they are safe to run untrusted: they are trusted data, the candidate code is what the
@@ -24,8 +39,9 @@ import copy
 import json
 import math
 import random
-from dataclasses import dataclass
-from typing import Any, Callable
+import re
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
 
 from keelrl.envs.tasks import Check, Task, render_test_file, shift_ints, split_of
 
@@ -41,6 +57,13 @@ KINDS = (
     "missing_validation",   # an invalid input is returned instead of raising ValueError
     "missing_empty_guard",  # an empty or zero input crashes instead of giving the documented value
 )
+AGENT_KINDS = (
+    "hidden_edge_value",     # an edge case's expected value is stated only by a failing visible test
+    "two_defects",           # a crash masks a wrong value: fixing it makes a different visible test fail
+    "tests_only_behaviour",  # no behaviour in the prompt: the visible tests pin it, hidden checks try more cases
+)
+"""Opt-in kinds (pass `kinds=KINDS + AGENT_KINDS`) where one look at the file rarely suffices: the
+agent has to run `test` and read what fails. Not in the default `KINDS`, whose tasks stay as they were."""
 TASKS_PER_KIND = 85
 """Generated tasks of each kind; with the fixture, 851 tasks by default (209 held out at split seed 0)."""
 
@@ -79,29 +102,53 @@ def retry_count_task() -> Task:
 
 # ------------------------------------------------------------------------------ public API
 
-def generate_tasks(seed: int = 0, count: int | None = None) -> list[Task]:
+def generate_tasks(seed: int = 0, count: int | None = None, kinds: Sequence[str] = KINDS) -> list[Task]:
     """The fixture first, then generated tasks interleaving the kinds (ids `f"{kind}-{index:04d}"`).
 
-    A pure function of `seed`: each kind draws from its own `random.Random(f"{seed}:{kind}")`, so
-    `generate_tasks(seed, n)` is the first n tasks of `generate_tasks(seed)` and a larger `count`
-    only appends. Raises ValueError when `count` asks for more tasks than the kinds can make.
+    A pure function of `seed` and `kinds`: each kind draws from its own `random.Random(f"{seed}:{kind}")`,
+    so `generate_tasks(seed, n)` is the first n tasks of `generate_tasks(seed)` and a larger `count`
+    only appends, and kinds appended to `kinds` (e.g. `KINDS + AGENT_KINDS`) leave the tasks of the
+    kinds before them unchanged. The fixture comes first when `kinds` holds its kind
+    ("falsy_or_default"). Raises ValueError for an unknown or repeated kind, or when `count` asks
+    for more tasks than the kinds can make.
     """
     if count is not None and count < 0:
         raise ValueError(f"count must be >= 0, got {count}")
+    kinds = _checked_kinds(kinds)
     fixture = retry_count_task()
-    per_kind = TASKS_PER_KIND if count is None else max(TASKS_PER_KIND, math.ceil((count - 1) / len(KINDS)))
+    fixtures = [fixture] if fixture.kind in kinds else []
+    per_kind = (TASKS_PER_KIND if count is None
+                else max(TASKS_PER_KIND, math.ceil((count - len(fixtures)) / len(kinds))))
+    # Sources are deduplicated across kinds in `kinds` order, so a kind's tasks never depend on
+    # the kinds after it.
     seen = {fixture.files[fixture.entry_file]}
-    by_kind = [_generate_kind(kind, seed, per_kind, seen) for kind in KINDS]
-    tasks = [fixture] + [kind_tasks[index] for index in range(per_kind) for kind_tasks in by_kind]
+    by_kind = [_generate_kind(kind, seed, per_kind, seen) for kind in kinds]
+    tasks = fixtures + [kind_tasks[index] for index in range(per_kind) for kind_tasks in by_kind]
     return tasks if count is None else tasks[:count]
 
 
-def bundled_tasks(split: str | None = None, seed: int = 0) -> list[Task]:
-    """All generated tasks for `seed`, or those with `split_of(task.id, seed) == split`."""
+def bundled_tasks(split: str | None = None, seed: int = 0, kinds: Sequence[str] = KINDS) -> list[Task]:
+    """All generated tasks of `kinds` for `seed`, or those with `split_of(task.id, seed) == split`."""
     if split not in (None, "train", "heldout"):
         raise ValueError(f"split must be None, 'train' or 'heldout', got {split!r}")
-    tasks = generate_tasks(seed)
+    tasks = generate_tasks(seed, kinds=kinds)
     return tasks if split is None else [task for task in tasks if split_of(task.id, seed) == split]
+
+
+def _checked_kinds(kinds: Sequence[str]) -> tuple[str, ...]:
+    """`kinds` as a tuple; an empty, repeated or unknown kind is an error naming the valid ones."""
+    if isinstance(kinds, str):  # "two_defects" would otherwise iterate as letters
+        raise ValueError(f"kinds must be a sequence of kind names, got the string {kinds!r}")
+    kinds = tuple(kinds)
+    if not kinds:
+        raise ValueError(f"kinds must name at least one kind; valid kinds: {', '.join(_BUILDERS)}")
+    unknown = [kind for kind in kinds if kind not in _BUILDERS]
+    if unknown:
+        raise ValueError(f"unknown task kinds {unknown}; valid kinds: {', '.join(_BUILDERS)}")
+    repeated = sorted({kind for kind in kinds if kinds.count(kind) > 1})
+    if repeated:
+        raise ValueError(f"kinds lists {repeated} more than once")
+    return kinds
 
 
 # ------------------------------------------------------------------------------ assembly
@@ -118,6 +165,8 @@ class _Draft:
     checks: tuple[Check, ...]  # the hidden checks, exactly one with key=True
     behaviour: str             # the intended behaviour, for the prompt (never the fix)
     brittle: str
+    shown: tuple[str, ...] = ()  # non-key checks that must be visible (the evidence a kind relies on)
+    prompt: str = ""             # the whole prompt, for kinds that word it themselves (default: `_prompt`)
 
 
 def _generate_kind(kind: str, seed: int, count: int, seen: set[str]) -> list[Task]:
@@ -144,19 +193,23 @@ def _task(task_id: str, kind: str, draft: _Draft, rng: random.Random) -> Task:
     Some check the bug breaks always stays hidden, so memorising the visible tests' answers
     (the audit's hard-coding probe) does not pass the hidden checks: a failing non-key check is
     held back from the visible set, or, when the bug breaks only the key check, a hidden variant
-    of the key check is added (see `_key_variant`) where the bug's reach allows one.
+    of the key check is added (see `_key_variant`) where the bug's reach allows one. The checks
+    named in `draft.shown` are always visible and never held back.
     """
     keys = [check for check in draft.checks if check.key]
     if len(keys) != 1 or len(draft.checks) < 4:
         raise ValueError(f"{task_id}: needs >= 4 checks and exactly one key check, got {draft.checks}")
     others = [check for check in draft.checks if not check.key]
+    shown = set(draft.shown)
+    if not shown <= {check.name for check in others} or len(shown) > 2:
+        raise ValueError(f"{task_id}: shown must name at most two non-key checks, got {draft.shown}")
     function = _load(draft.source, draft.function)
-    failing_others = [check for check in others
-                      if not _passes(function, check) and repr(check.args) != repr(keys[0].args)]
+    failing_others = [check for check in others if check.name not in shown
+                      and not _passes(function, check) and repr(check.args) != repr(keys[0].args)]
     reserved = rng.choice(failing_others) if failing_others else None
-    candidates = [check for check in others if check is not reserved]
-    extra = rng.randint(1, min(3, len(candidates) - (0 if reserved else 1)))
-    names = {keys[0].name} | {check.name for check in rng.sample(candidates, extra)}
+    candidates = [check for check in others if check is not reserved and check.name not in shown]
+    extra = rng.randint(0 if shown else 1, min(3 - len(shown), len(candidates) - (0 if reserved else 1)))
+    names = {keys[0].name, *shown} | {check.name for check in rng.sample(candidates, extra)}
     visible = [check for check in draft.checks if check.name in names]
     hidden = list(draft.checks)
     if reserved is None:
@@ -165,7 +218,7 @@ def _task(task_id: str, kind: str, draft: _Draft, rng: random.Random) -> Task:
             hidden.append(variant)
     entry_file, test_file = f"{draft.module}.py", f"test_{draft.module}.py"
     return Task(
-        id=task_id, kind=kind, prompt=_prompt(draft.function, entry_file, test_file, draft.behaviour),
+        id=task_id, kind=kind, prompt=draft.prompt or _prompt(draft.function, entry_file, test_file, draft.behaviour),
         files={entry_file: draft.source, test_file: render_test_file(draft.module, draft.function, visible)},
         entry_file=entry_file, entry_function=draft.function, test_file=test_file,
         visible_tests=visible, hidden_checks=hidden, reference_fix={entry_file: draft.fix},
@@ -1086,6 +1139,434 @@ def _missing_empty_guard(rng: random.Random) -> _Draft:
     return _draft(module, function, header, blocks, checks, behaviour, brittle)
 
 
+# ------------------------------------------------------------------------------ agent kinds (opt-in: AGENT_KINDS)
+
+def _mentions(text: str, value: Any) -> bool:
+    """Whether `text` states `value`: a string anywhere in it, a number as a whole token (12 is not in 120)."""
+    if isinstance(value, str):
+        return value in text
+    return re.search(rf"(?<![\w.]){re.escape(repr(value))}(?![\w.])", text) is not None
+
+
+def _own_prompt(draft: _Draft, shown: tuple[str, ...], wording: Callable[[str, str, str], str]) -> _Draft:
+    """`draft` with its always-visible checks and the prompt `wording(function, entry_file, test_file)`."""
+    prompt = wording(draft.function, f"{draft.module}.py", f"test_{draft.module}.py")
+    return replace(draft, shown=shown, prompt=prompt)
+
+
+_PLACEHOLDER_LISTS = (("owner_list", "owners", "owner"), ("tag_line", "tags", "tag"),
+                      ("author_line", "authors", "author"), ("reviewer_names", "reviewers", "reviewer"),
+                      ("recipient_line", "recipients", "recipient"), ("label_summary", "labels", "label"))
+_PLACEHOLDERS = ("(none)", "n/a", "<empty>", "(nobody)", "[none]", "<nothing>", "(unset)", "nobody listed")
+_JOINERS = (", ", "; ", " | ", " / ")
+_CAPPED = (("thread_count", "threads", 4, 1, (32, 48, 64, 96)), ("zoom_level", "zoom", 100, 10, (250, 300, 400, 500)),
+           ("page_size", "page_size", 20, 1, (50, 75, 200, 250)), ("batch_size", "batch", 32, 1, (128, 256, 512, 1000)),
+           ("retry_budget", "retries", 3, 0, (6, 8, 10, 12)), ("font_size", "size", 12, 6, (48, 72, 96, 120)))
+# function, argument, table, entries, unknown inputs, fallbacks (each a plausible guess for the others)
+_LOOKUPS: tuple[tuple[str, str, str, tuple[tuple[Any, Any], ...], tuple[Any, ...], tuple[Any, ...]], ...] = (
+    ("status_colour", "status", "COLOURS", (("ok", "green"), ("warning", "amber"), ("error", "red")),
+     ("pending", "skipped", "retrying"), ("grey", "white", "black", "blue")),
+    ("file_icon", "extension", "ICONS", ((".py", "snake"), (".md", "page"), (".png", "picture")),
+     (".exe", ".zip", ".tmp"), ("blank", "generic", "question", "default")),
+    ("http_reason", "code", "REASONS", ((200, "OK"), (404, "Not Found"), (500, "Server Error")),
+     (418, 302, 999), ("Unknown", "Unassigned", "???")),
+    ("level_number", "level", "LEVELS", (("debug", 10), ("info", 20), ("warning", 30), ("error", 40)),
+     ("trace", "fatal", "verbose"), (0, 99, -1, 5)),
+    ("country_name", "code", "COUNTRIES", (("fr", "France"), ("de", "Germany"), ("jp", "Japan")),
+     ("xx", "br", "nz"), ("Unknown", "Elsewhere", "Abroad")),
+    ("unit_factor", "unit", "FACTORS", (("kb", 1000), ("mb", 1000000), ("gb", 1000000000)),
+     ("tb", "bytes", "kib"), (1, 0, -1)),
+)
+_COUNT_LABELS = (("count_label", "count", "noun"), ("pluralize", "n", "word"), ("amount_text", "amount", "thing"),
+                 ("describe_count", "total", "item"))
+_NOUNS = ("file", "task", "job", "user", "error", "message", "host", "ticket")
+_ZERO_FORMS = ("no {}s", "zero {}s", "no {}s yet", "not a single {}")
+
+
+def _hidden_edge_value(rng: random.Random) -> _Draft:
+    """The expected value of an edge case is stated by a failing visible test only, never by the prompt or code.
+
+    The buggy code returns a wrong value there (not a crash), so the test's message shows the value.
+    """
+    template = rng.randrange(4)
+    if template == 0:  # a placeholder when nothing is left to show; the wrong fix tests the raw input
+        function, items, item = _pick(rng, _PLACEHOLDER_LISTS)
+        module = _pick(rng, ("display", "summaries", "rendering", "listing"))
+        edge, joiner = _pick(rng, _PLACEHOLDERS), _pick(rng, _JOINERS)
+        head = [f"def {function}({items}):", *_doc(rng, f"The non-blank {items} joined with {joiner!r}.",
+                                                  f"{items.capitalize()} for display, blank ones skipped."),
+                f"    shown = [{item} for {item} in {items} if {item}.strip()]"]
+        join = f"{_lit(joiner)}.join(shown)"
+        fix = _pick(rng, ([f"    return {join} or {_lit(edge)}"],
+                          ["    if not shown:", f"        return {_lit(edge)}", f"    return {join}"]))
+        wrong = [f"    if not {items}:", f"        return {_lit(edge)}", f"    return {join}"]
+        bodies = [[f"    return {join}"], fix, wrong]
+        blocks = [[head + body] for body in bodies]
+        first, second, third = rng.sample(_NAMES, 3)
+        checks = [_ok("empty", [[]], edge, key=True), _ok("all_blank", [["", " " * rng.randint(1, 3)]], edge),
+                  _ok("one", [[first]], first), _ok("two", [[first, second]], first + joiner + second)]
+        checks += rng.sample([_ok("blank_between", [[second, "", third]], second + joiner + third),
+                              _ok("three", [[third, first, second]], joiner.join([third, first, second]))],
+                             rng.randint(0, 2))
+        behaviour = (f"`{function}({items})` joins the non-blank {items} with {joiner!r}. When none is left to show "
+                     "it returns a fixed placeholder text instead; the visible tests say which.")
+        brittle = f"or {_lit(edge)}" if len(fix) == 1 else "if not shown"
+    elif template == 1:  # a missing upper clamp whose bound only the tests give; the wrong fix drops the lower one
+        function, key, default, low, highs = _pick(rng, _CAPPED)
+        edge = _pick(rng, highs)
+        module = _pick(rng, ("bounds", "tuning", "knobs", "limits"))
+        arg = _pick(rng, _CONFIG_ARGS)
+        head = [f"def {function}({arg}):",
+                *_doc(rng, f"The {key} setting (default {default}), never below {low} nor above the maximum."),
+                f'    value = {arg}.get("{key}", {default})']
+        clamp = _pick(rng, (f"min(max(value, {low}), {edge})", f"max({low}, min(value, {edge}))"))
+        bodies = [f"    return max(value, {low})", f"    return {clamp}", f"    return min(value, {edge})"]
+        blocks = [[head + [body]] for body in bodies]
+        inside = rng.choice([value for value in range(low + 1, edge) if value != default])
+        checks = [_ok("above", [{key: edge + rng.randint(1, edge)}], edge, key=True),
+                  _ok("far_above", [{key: edge * rng.randint(5, 20)}], edge),
+                  _ok("inside", [{key: inside}], inside), _ok("below", [{key: low - rng.randint(1, 5)}], low)]
+        checks += rng.sample([_ok("missing", [{}], default), _ok("at_maximum", [{key: edge}], edge)], rng.randint(0, 2))
+        behaviour = (f"`{function}({arg})` returns the {key} setting (default {default}): values below {low} give "
+                     f"{low} and values above the maximum give the maximum, which the visible tests state.")
+        brittle = clamp
+    elif template == 2:  # an unknown key gives None instead of the fallback; the wrong fix guesses the fallback
+        function, arg, table, entries, unknowns, fallbacks = _pick(rng, _LOOKUPS)
+        module = _pick(rng, ("lookups", "tables", "mapping"))
+        edge, guess = rng.sample(fallbacks, 2)
+        table_block = [f"{table} = {{{', '.join(f'{_lit(k)}: {_lit(v)}' for k, v in entries)}}}"]
+        head = [f"def {function}({arg}):", *_doc(rng, f"The entry of {table} for {arg}.", f"Look {arg} up.")]
+        fix = _pick(rng, (f"    return {table}.get({arg}, {_lit(edge)})",
+                          f"    return {table}[{arg}] if {arg} in {table} else {_lit(edge)}"))
+        bodies = [f"    return {table}.get({arg})", fix, f"    return {table}.get({arg}, {_lit(guess)})"]
+        blocks = [[table_block, head + [body]] for body in bodies]
+        (known, value), (other_known, other_value) = rng.sample(entries, 2)
+        unknown, other_unknown = rng.sample(unknowns, 2)
+        checks = [_ok("unknown", [unknown], edge, key=True), _ok("none", [None], edge),
+                  _ok("known", [known], value), _ok("known_other", [other_known], other_value)]
+        checks += rng.sample([_ok("other_unknown", [other_unknown], edge)], rng.randint(0, 1))
+        behaviour = (f"`{function}({arg})` returns the entry of {table} for {arg}; for any {arg} that is not in "
+                     f"{table} (None included) it returns one fixed fallback value, which the visible tests state.")
+        brittle = f"{table}.get({arg}, " if ".get(" in fix else f"if {arg} in {table}"
+    else:  # a count of 0 has its own wording; the wrong fix hard-codes the visible test's noun
+        function, count, noun = _pick(rng, _COUNT_LABELS)
+        module = _pick(rng, ("wording", "messages", "labels", "phrasing"))
+        form = _pick(rng, _ZERO_FORMS)
+        first, second, third = rng.sample(_NOUNS, 3)
+        edge = form.format(first)
+        head = [f"def {function}({count}, {noun}):",
+                *_doc(rng, f"The {count} and the {noun} as text, plural unless {count} is 1.")]
+        tail = [f"    if {count} == 1:", f'        return f"1 {{{noun}}}"', f'    return f"{{{count}}} {{{noun}}}s"']
+        guards = [[], [f"    if {count} == 0:", f'        return f"{form.format("{" + noun + "}")}"'],
+                  [f"    if {count} == 0:", f"        return {_lit(edge)}"]]
+        blocks = [[head + guard + tail] for guard in guards]
+        many = rng.randint(3, 12)
+        checks = [_ok("zero", [0, first], edge, key=True), _ok("zero_other", [0, second], form.format(second)),
+                  _ok("one", [1, first], f"1 {first}"), _ok("many", [many, second], f"{many} {second}s")]
+        checks += rng.sample([_ok("two", [2, third], f"2 {third}s"), _ok("one_other", [1, third], f"1 {third}")],
+                             rng.randint(0, 2))
+        behaviour = (f"`{function}({count}, {noun})` writes {count} and {noun} as text: the number, a space and the "
+                     f"{noun}, with an s added unless {count} is 1. A {count} of 0 is worded differently, as the "
+                     "visible tests show.")
+        brittle = f"if {count} == 0"
+    header = _header(rng, module)
+    draft = _draft(module, function, header, blocks, checks, behaviour, brittle)
+    prompt = _prompt(function, f"{module}.py", f"test_{module}.py", behaviour)  # what `_task` will write
+    if _mentions(draft.source, edge) or _mentions(prompt, edge):  # the pools are chosen so that this never happens
+        raise RuntimeError(f"hidden_edge_value: {edge!r} is stated by {function}'s source or prompt")
+    return draft
+
+
+_PAIR_PARSERS = (("parse_pairs", "text"), ("parse_env", "env_text"), ("read_headers", "raw"),
+                 ("parse_settings", "source"), ("parse_labels", "spec"))
+_TOTALLED = (("order_total", "items", "item"), ("invoice_total", "lines", "line"),
+             ("basket_total", "products", "product"), ("bill_amount", "entries", "entry"))
+_INITIALS = (("initials", "names", "name"), ("monogram", "words", "word"), ("acronym", "parts", "part"),
+             ("short_form", "tokens", "token"))
+_TALLIES = (("word_counts", "words", "word"), ("tag_counts", "tags", "tag"), ("vote_tally", "votes", "vote"),
+            ("status_histogram", "statuses", "status"))
+
+
+def _two_defects(rng: random.Random) -> _Draft:
+    """A crash on some inputs hides a wrong value behind it; the wrong fix repairs only the crash.
+
+    Every input that shows the second defect also hits the crash, so the buggy code fails the
+    visible tests with the crash alone (the key check is such an input), and only the crash fix
+    makes the always-visible `masked` test fail with a wrong value instead.
+    """
+    template = rng.randrange(4)
+    if template == 0:  # a blank entry (or a second separator) fails to unpack; no strip (or the first value wins)
+        function, text = _pick(rng, _PAIR_PARSERS)
+        module = _pick(rng, ("parsing", "env_files", "key_values", "loaders"))
+        sep, delim = _pick(rng, ("=", ":")), _pick(rng, ("\n", ";", ","))
+        crash, defect = _pick(rng, ("blank", "split_once")), _pick(rng, ("strip", "last_wins"))
+        entry = "line" if delim == "\n" else _pick(rng, ("entry", "part", "item"))
+        guard = [f"        if not {entry}.strip():", "            continue"]
+        split = f"        key, value = {entry}.split({_lit(sep)})"
+        split_once = f"        key, value = {entry}.split({_lit(sep)}, 1)"
+        if defect == "strip":
+            store_bug, store_fix = "        pairs[key] = value", "        pairs[key.strip()] = value.strip()"
+        else:
+            store_bug, store_fix = "        pairs.setdefault(key, value)", "        pairs[key] = value"
+        first_fix = guard + [split] if crash == "blank" else [split_once]
+        head = [f"def {function}({text}):", *_doc(rng, f"The {sep!r}-separated pairs in {text} as a dict."),
+                "    pairs = {}", f"    for {entry} in {text}.split({_lit(delim)}):"]
+        bodies = [[split, store_bug], first_fix + [store_fix], first_fix + [store_bug]]
+        blocks = [[head + body + ["    return pairs"]] for body in bodies]
+        k1, k2, k3, k4 = rng.sample(_WORDS, 4)
+        v1, v2, v3, v4 = (str(rng.randint(1, 99)) for _ in range(4))
+        word = _pick(rng, _NAMES)
+        S, D = sep, delim
+        plain = _ok("plain", [f"{k1}{S}{v1}{D}{k2}{S}{v2}"], {k1: v1, k2: v2})
+        if crash == "blank":
+            key = _ok("blank_entry", [f"{k1}{S}{v1}{D}{D}{k2}{S}{v2}"], {k1: v1, k2: v2}, key=True)
+            crash_other = _ok("trailing_delimiter", [f"{k3}{S}{v3}{D}"], {k3: v3})
+            if defect == "strip":
+                masked = _ok("spaced_and_blank", [f"{k1} {S} {v1}{D}{D}{k2}{S} {v2}"], {k1: v1, k2: v2})
+                masked_other = _ok("spaced_after_blank", [f"{D}  {k4}{S}{v4} "], {k4: v4})
+            else:
+                masked = _ok("repeated_and_blank", [f"{k1}{S}{v1}{D}{D}{k1}{S}{v2}"], {k1: v2})
+                masked_other = _ok("repeated_then_trailing", [f"{k3}{S}{v3}{D}{k4}{S}{v4}{D}{k3}{S}{v1}{D}"],
+                                   {k3: v1, k4: v4})
+            rule = "empty entries are skipped"
+        else:
+            key = _ok("separator_in_value", [f"{k1}{S}{v1}{D}{k2}{S}{word}{S}{v2}"], {k1: v1, k2: f"{word}{S}{v2}"},
+                      key=True)
+            crash_other = _ok("value_ends_with_separator", [f"{k3}{S}{v3}{S}"], {k3: f"{v3}{S}"})
+            if defect == "strip":
+                masked = _ok("spaced_with_separator", [f"{k1} {S} {word}{S}{v1}"], {k1: f"{word}{S}{v1}"})
+                masked_other = _ok("padded_with_separator", [f" {k2}{S}{v2}{S}{v3}  "], {k2: f"{v2}{S}{v3}"})
+            else:
+                masked = _ok("repeated_with_separator", [f"{k1}{S}{v1}{D}{k1}{S}{word}{S}{v2}"], {k1: f"{word}{S}{v2}"})
+                masked_other = _ok("separator_then_repeated", [f"{k2}{S}{word}{S}{v4}{D}{k2}{S}{v2}"], {k2: v2})
+            rule = f"only the first {S!r} of an entry separates its key from its value"
+        checks = [key, masked, masked_other, crash_other, plain]
+        second = ("keys and values are stripped of surrounding whitespace" if defect == "strip"
+                  else "a key given twice keeps its later value")
+        behaviour = (f"`{function}({text})` splits {text} at {D!r} into key{S}value entries and returns them as a "
+                     f"dict: {rule}, and {second}.")
+        brittle = store_fix.strip()
+    elif template == 1:  # a missing quantity raises KeyError; the discount is added (or the total overwritten)
+        function, items, item = _pick(rng, _TOTALLED)
+        module = _pick(rng, ("billing", "checkout", "orders", "invoicing"))
+        qty, off = _pick(rng, ("qty", "quantity", "count")), _pick(rng, ("discount", "rebate", "coupon"))
+        defect = _pick(rng, ("sign", "overwrite"))
+        quantity_bug, quantity_fix = f'        quantity = {item}["{qty}"]', f'        quantity = {item}.get("{qty}", 1)'
+        price_bug, price_fix = (f'        price = {item}["price"] + {item}.get("{off}", 0)',
+                                f'        price = {item}["price"] - {item}.get("{off}", 0)')
+        add_bug, add_fix = "        total = price * quantity", "        total += price * quantity"
+        head = [f"def {function}({items}):",
+                *_doc(rng, f"Price times {qty} summed over {items}, less any {off} per unit."),
+                "    total = 0", f"    for {item} in {items}:"]
+        if defect == "sign":
+            bodies = [[quantity_bug, price_bug, add_fix], [quantity_fix, price_fix, add_fix],
+                      [quantity_fix, price_bug, add_fix]]
+        else:
+            bodies = [[quantity_bug, price_fix, add_bug], [quantity_fix, price_fix, add_fix],
+                      [quantity_fix, price_fix, add_bug]]
+        blocks = [[head + body + ["    return total"]] for body in bodies]
+        p1, p2, p3 = (rng.randint(5, 50) for _ in range(3))
+        q1 = rng.randint(2, 5)
+        d1, d2 = rng.randint(1, p2 - 1), rng.randint(1, p1 - 1)
+        plain = _ok("empty", [[]], 0)
+        if defect == "sign":
+            key = _ok("missing_quantity", [[{"price": p1, qty: q1}, {"price": p2}]], p1 * q1 + p2, key=True)
+            crash_other = _ok("only_missing_quantity", [[{"price": p3}]], p3)
+            masked = _ok("discount_without_quantity", [[{"price": p2, off: d1}]], p2 - d1)
+            masked_other = _ok("discounts_and_missing_quantity", [[{"price": p1, qty: q1, off: d2}, {"price": p3}]],
+                               (p1 - d2) * q1 + p3)
+        else:
+            key = _ok("missing_quantity", [[{"price": p1}]], p1, key=True)
+            crash_other = _ok("discount_without_quantity", [[{"price": p2, off: d1}]], p2 - d1)
+            masked = _ok("several_items", [[{"price": p1, qty: q1}, {"price": p2}]], p1 * q1 + p2)
+            masked_other = _ok("several_with_discount", [[{"price": p3}, {"price": p1, qty: q1, off: d2}]],
+                               p3 + (p1 - d2) * q1)
+        checks = [key, masked, masked_other, crash_other, plain]
+        behaviour = (f"`{function}({items})` returns the total of price x {qty} over {items} (dicts with \"price\", "
+                     f"an optional \"{qty}\" that defaults to 1, and an optional \"{off}\" taken off the price of "
+                     "each unit); [] gives 0.")
+        brittle = f'.get("{qty}", 1)'
+    elif template == 2:  # an empty name raises IndexError; the letters are not upper-cased
+        function, names, name = _pick(rng, _INITIALS)
+        module = _pick(rng, ("naming", "abbreviations", "people"))
+        dot = _pick(rng, (".", ""))
+        letter = f"{name}[0]" + (f" + {_lit(dot)}" if dot else "")
+        upper = f"{name}[0].upper()" + (f" + {_lit(dot)}" if dot else "")
+        guard = [f"        if not {name}:", "            continue"]
+        head = [f"def {function}({names}):", *_doc(rng, f"The first letter of each of {names}."),
+                "    letters = []", f"    for {name} in {names}:"]
+        bodies = [[f"        letters.append({letter})"], guard + [f"        letters.append({upper})"],
+                  guard + [f"        letters.append({letter})"]]
+        blocks = [[head + body + ['    return "".join(letters)']] for body in bodies]
+        a, b, c, d = (word.capitalize() for word in rng.sample(_NAMES, 4))
+
+        def expect(*words: str) -> str:
+            return "".join(word[0].upper() + dot for word in words if word)
+        checks = [_ok("blank_name", [[a, "", b]], expect(a, b), key=True),
+                  _ok("lower_case_and_blank", [[c.lower(), "", b]], expect(c, b)),
+                  _ok("blank_then_lower_case", [["", a.lower(), d.lower()]], expect(a, d)),
+                  _ok("only_blank", [[""]], ""), _ok("plain", [[d, c]], expect(d, c))]
+        checks += rng.sample([_ok("empty", [[]], "")], rng.randint(0, 1))
+        behaviour = (f"`{function}({names})` returns the first letter of each non-empty {name} in order, "
+                     f"upper-cased{f', each followed by {dot!r}' if dot else ''}; empty {names} are skipped.")
+        brittle = ".upper()"
+    else:  # counting into a plain dict raises KeyError; the words are not normalised
+        function, words, word = _pick(rng, _TALLIES)
+        module = _pick(rng, ("counting", "tallies", "histograms"))
+        normal = _pick(rng, ("lower", "strip"))
+        head = [f"def {function}({words}):", *_doc(rng, f"How often each of {words} occurs."),
+                "    counts = {}", f"    for {word} in {words}:"]
+        key_bug, key_fix = f"        key = {word}", f"        key = {word}.{normal}()"
+        count_bug, count_fix = "        counts[key] += 1", "        counts[key] = counts.get(key, 0) + 1"
+        bodies = [[key_bug, count_bug], [key_fix, count_fix], [key_bug, count_fix]]
+        blocks = [[head + body + ["    return counts"]] for body in bodies]
+        a, b, c = rng.sample(_WORDS, 3)
+        if normal == "lower":
+            masked = _ok("mixed_case", [[a.capitalize(), a, b]], {a: 2, b: 1})
+            masked_other = _ok("shouted", [[c.upper(), c, c.capitalize()]], {c: 3})
+            rule = f"ignoring case: it maps each lower-cased {word} to its count"
+        else:
+            masked = _ok("padded", [[f" {a}", a, f"{b} "]], {a: 2, b: 1})
+            masked_other = _ok("padded_repeats", [[c, f" {c} ", f"{c}  "]], {c: 3})
+            rule = f"ignoring surrounding whitespace: it maps each stripped {word} to its count"
+        checks = [_ok("repeats", [[a, b, a]], {a: 2, b: 1}, key=True), masked, masked_other,
+                  _ok("single", [[c]], {c: 1}), _ok("empty", [[]], {})]
+        behaviour = f"`{function}({words})` counts how often each {word} occurs, {rule}."
+        brittle = "counts.get(key, 0)"
+    header = _header(rng, module)
+    draft = _draft(module, function, header, blocks, checks, behaviour, brittle)
+    return _own_prompt(draft, (checks[1].name,), lambda function, entry_file, test_file: (
+        f"`{function}` ({entry_file}) does not do what it should. {behaviour} The visible tests are in {test_file}."))
+
+
+_SLUGGERS = (("slugify", "title"), ("url_slug", "heading"), ("make_handle", "name"), ("anchor_id", "text"),
+             ("file_stem", "label"))
+_TITLES = ("Hello World", "Release Notes", "Big Data", "Open Issues", "Team Meeting", "Quick Start")
+_ROUNDERS = (("round_up", "n"), ("pad_to_block", "size"), ("align_size", "length"), ("next_multiple", "value"),
+             ("bucket_ceiling", "amount"))
+_CHUNKERS = (("chunk", "items", "size"), ("batches", "jobs", "batch_size"), ("pages", "rows", "per_page"),
+             ("groups_of", "names", "n"))
+_MASKERS = (("mask_card", "number"), ("hide_token", "token"), ("mask_phone", "phone"), ("redact_key", "key"))
+
+
+def _tests_only_prompt(function: str, entry_file: str, test_file: str) -> str:
+    """The whole prompt of a tests_only_behaviour task: names only, no behaviour."""
+    return (f"Make the visible tests in {test_file} pass by fixing `{function}` ({entry_file}). "
+            "Hidden checks try more cases of the behaviour those tests show.")
+
+
+def _tests_only_behaviour(rng: random.Random) -> _Draft:
+    """No behaviour in the prompt or a docstring: the visible tests pin it, hidden checks are more cases.
+
+    The always-visible checks are chosen so that the buggy code and the wrong fix each fail a
+    visible test: the tests alone are enough to tell both apart from the reference fix.
+    """
+    template = rng.randrange(4)
+    if template == 0:  # slugs not lower-cased; the wrong fix replaces single spaces only
+        function, title = _pick(rng, _SLUGGERS)
+        module = _pick(rng, ("slugs", "urls", "handles"))
+        sep = _pick(rng, ("-", "_"))
+        fix = _pick(rng, (f"    return {_lit(sep)}.join({title}.lower().split())",
+                          f"    return {_lit(sep)}.join({title}.split()).lower()"))
+        bodies = [f"    return {_lit(sep)}.join({title}.split())", fix,
+                  f"    return {title}.lower().replace(\" \", {_lit(sep)})"]
+        blocks = [[[f"def {function}({title}):", body]] for body in bodies]
+        capitals, other = rng.sample(_TITLES, 2)
+        a, b, c = rng.sample(_WORDS, 3)
+
+        def slug(text: str) -> str:
+            return sep.join(text.lower().split())
+        padded = f"  {a}   {b} "
+        checks = [_ok("capitals", [capitals], slug(capitals), key=True), _ok("extra_spaces", [padded], slug(padded)),
+                  _ok("shouting", [f"{a.upper()} {c.upper()}"], slug(f"{a} {c}"))]
+        extras = [_ok("three_words", [f"{other} {c.capitalize()}"], slug(f"{other} {c}")),
+                  _ok("tab", [f"{b.capitalize()}\t{c}"], slug(f"{b} {c}")), _ok("one_word", [a], a)]
+        checks += rng.sample(extras, rng.randint(1, 3))
+        shown: tuple[str, ...] = ("extra_spaces",)
+        brittle = ".lower()"
+    elif template == 1:  # rounding up to a multiple: one block too many (or rounding down)
+        function, n = _pick(rng, _ROUNDERS)
+        module = _pick(rng, ("alignment", "blocks", "sizing"))
+        # not 4: past_half (4k + 3) could be just_below (4(k + 1) - 1)
+        step, constant = _pick(rng, (5, 6, 8, 10, 16, 32, 50, 64, 100)), _pick(rng, ("STEP", "BLOCK", "ALIGNMENT"))
+        fix = _pick(rng, (f"    return ({n} + {constant} - 1) // {constant} * {constant}",
+                          f"    return -(-{n} // {constant}) * {constant}"))
+        one_more = f"    return ({n} // {constant} + 1) * {constant}"
+        rounded_down = f"    return {n} // {constant} * {constant}"
+        variant = rng.randrange(2)
+        bug, wrong = ((one_more, f"    return round({n} / {constant}) * {constant}") if variant == 0
+                      else (rounded_down, one_more))
+        blocks = [[[f"{constant} = {step}"], [f"def {function}({n}):", body]] for body in (bug, fix, wrong)]
+        k, k2, k3, k4 = (rng.randint(2, 9) for _ in range(4))
+        exact = _ok("exact", [k * step], k * step, key=variant == 0)
+        just_above = _ok("just_above", [k2 * step + 1], (k2 + 1) * step, key=variant == 1)
+        checks = [exact, just_above, _ok("zero", [0], 0), _ok("one", [1], step)]
+        checks += rng.sample([_ok("past_half", [k3 * step + step // 2 + 1], (k3 + 1) * step),
+                              _ok("just_below", [k4 * step - 1], k4 * step)], rng.randint(0, 2))
+        shown = ("just_above",) if variant == 0 else ("exact",)
+        brittle = fix.strip()[len("return "):]
+    elif template == 2:  # the last, shorter chunk is dropped; the wrong fix moves the range end by one
+        function, items, size = _pick(rng, _CHUNKERS)
+        module = _pick(rng, ("batching", "paging", "grouping"))
+        start, loop = _pick(rng, ("start", "i", "offset")), rng.random() < 0.5
+
+        def body(end: str) -> list[str]:
+            if loop:
+                return [f"def {function}({items}, {size}):", "    out = []",
+                        f"    for {start} in range(0, {end}, {size}):",
+                        f"        out.append({items}[{start}:{start} + {size}])", "    return out"]
+            return [f"def {function}({items}, {size}):",
+                    f"    return [{items}[{start}:{start} + {size}] for {start} in range(0, {end}, {size})]"]
+        blocks = [[body(end)] for end in (f"len({items}) - {size} + 1", f"len({items})", f"len({items}) - {size} + 2")]
+        base = rng.randint(0, 40)
+
+        def run(count: int) -> list[int]:
+            return list(range(base, base + count))
+
+        def chunks(count: int, width: int) -> list[list[int]]:
+            values = run(count)
+            return [values[start:start + width] for start in range(0, count, width)]
+        pairs, triples, fours = rng.randint(2, 4), rng.randint(2, 3), rng.randint(1, 2)
+        checks = [_ok("odd_tail", [run(2 * pairs + 1), 2], chunks(2 * pairs + 1, 2), key=True),
+                  _ok("exact", [run(3 * triples), 3], chunks(3 * triples, 3)),
+                  _ok("short_tail", [run(3 * triples + 1), 3], chunks(3 * triples + 1, 3)),
+                  _ok("long_tail", [run(4 * fours + 3), 4], chunks(4 * fours + 3, 4)),
+                  _ok("bigger_than_list", [run(3), 5], [run(3)])]
+        checks += rng.sample([_ok("empty", [[], 3], [])], rng.randint(0, 1))
+        shown = ("exact", "short_tail")
+        brittle = f"range(0, len({items}), {size})"
+    else:  # the first characters shown instead of the last; the wrong fix shows everything after the first few
+        function, secret = _pick(rng, _MASKERS)
+        module = _pick(rng, ("masking", "privacy", "display"))
+        shown_count, mask = _pick(rng, (2, 3, 4)), _pick(rng, ("*", "#", "x"))
+        head = f"def {function}({secret}):"
+        stars = f"{_lit(mask)} * (len({secret}) - {shown_count})"
+        bodies = [f"    return {stars} + {secret}[:{shown_count}]", f"    return {stars} + {secret}[-{shown_count}:]",
+                  f"    return {stars} + {secret}[{shown_count}:]"]
+        blocks = [[[head, body]] for body in bodies]
+
+        def digits(length: int) -> str:
+            while True:
+                text = "".join(rng.choice("0123456789") for _ in range(length))
+                if length <= shown_count or text[:shown_count] != text[-shown_count:]:
+                    return text
+
+        def masked(text: str) -> str:
+            return mask * (len(text) - shown_count) + text[-shown_count:] if len(text) > shown_count else text
+        samples = {name: digits(length) for name, length in (
+            ("twice_shown", 2 * shown_count), ("longer", 2 * shown_count + 3), ("long", 3 * shown_count + 2),
+            ("short", shown_count - 1), ("exactly_shown", shown_count))}
+        checks = [_ok(name, [samples[name]], masked(samples[name]), key=name == "twice_shown")
+                  for name in ("twice_shown", "longer", "long")]
+        checks += rng.sample([_ok(name, [samples[name]], masked(samples[name])) for name in ("short", "exactly_shown")],
+                             rng.randint(1, 2))
+        shown = ("longer",)
+        brittle = f"{secret}[-{shown_count}:]"
+    header = _header(rng, module)
+    draft = _draft(module, function, header, blocks, checks, "", brittle)
+    return _own_prompt(draft, shown, _tests_only_prompt)
+
+
 _BUILDERS: dict[str, Callable[[random.Random], _Draft]] = {
     "falsy_or_default": _falsy_or_default,
     "missing_none_guard": _missing_none_guard,
@@ -1097,6 +1578,9 @@ _BUILDERS: dict[str, Callable[[random.Random], _Draft]] = {
     "swapped_arguments": _swapped_arguments,
     "missing_validation": _missing_validation,
     "missing_empty_guard": _missing_empty_guard,
+    "hidden_edge_value": _hidden_edge_value,
+    "two_defects": _two_defects,
+    "tests_only_behaviour": _tests_only_behaviour,
 }
-if tuple(_BUILDERS) != KINDS:
+if tuple(_BUILDERS) != KINDS + AGENT_KINDS:
     raise RuntimeError("coding_tasks: every kind needs exactly one builder")
