@@ -120,10 +120,21 @@ class EnvConfig:
     show_file: bool = True
     """Coding: the first observation shows the file to fix (as `read` would), so the first action
     can already be the fix; with max_turns=1 an episode is one edit, then grading."""
+    shaping: float = 0.0
+    """Coding: per-turn rewards by potential-based shaping (Ng, Harada and Russell 1999), the
+    potential being shaping x the share of visible tests passed: an edit earns the change it
+    made, the last turn -the potential it leaves, so an episode's shaping sums to a constant per
+    task and the best policy is the outcome reward's (keelrl.envs.coding). 0: off. Each edit
+    then runs the visible tests once more."""
+    malformed_cost: float = 0.0
+    """Coding: a rejected action (malformed call, bad argument) costs its turn this much reward."""
 
     def __post_init__(self) -> None:
         _positive(max_turns=self.max_turns, key_check_weight=self.key_check_weight, guess_n=self.guess_n,
                   guess_tasks=self.guess_tasks, rg_size=self.rg_size)
+        for name, value in (("shaping", self.shaping), ("malformed_cost", self.malformed_cost)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ConfigError(name, f"must be a finite number >= 0, got {value!r}")
         # The name and the fields that depend on the kind are checked where the environment is
         # resolved (keelrl.components.check): Trainer(cfg, env=spec) may bring its own spec.
 

@@ -15,6 +15,7 @@ from torch import Tensor
 
 GROUP_ESTIMATORS = ("reinforce", "grpo", "dr_grpo", "rloo")
 STEP_ESTIMATORS = ("reward_to_go", "td", "gae")
+TURN_ESTIMATORS = ("turn_grpo", "turn_rloo")
 
 
 def action_positions(mask_row: list[bool]) -> list[int]:
@@ -86,6 +87,9 @@ def reference_advantages(name: str, *, token_rewards: Tensor, mask: Tensor, grou
     advantages = [[0.0] * length for _ in range(batch)]
     returns = [[0.0] * length for _ in range(batch)]
 
+    if name in TURN_ESTIMATORS:
+        return _turn_index_advantages(name, rewards, masks, group_ids.tolist(), tids, gamma, norm_by_std, std_eps)
+
     if name in GROUP_ESTIMATORS:
         scores = [sum(rewards[b][t] for t in action_positions(masks[b])) for b in range(batch)]
         per_row = _group_advantages(name, scores, group_ids.tolist(), norm_by_std, std_eps)
@@ -123,4 +127,54 @@ def reference_advantages(name: str, *, token_rewards: Tensor, mask: Tensor, grou
                     returns[b][t] = ret[i]
         else:
             raise ValueError(level)
+    return torch.tensor(advantages, dtype=torch.float64), torch.tensor(returns, dtype=torch.float64)
+
+
+def _turn_index_advantages(name: str, rewards: list[list[float]], masks: list[list[bool]], groups: list[int],
+                           tids: list[list[int]] | None, gamma: float, norm_by_std: bool,
+                           std_eps: float) -> tuple[Tensor, Tensor]:
+    """turn_grpo / turn_rloo: each turn's reward-to-go over turns, compared per turn index."""
+    assert tids is not None
+    batch, length = len(masks), len(masks[0]) if masks else 0
+    returns_by_turn: list[dict[int, float]] = []  # row -> {turn id: G}
+    positions_by_turn: list[dict[int, list[int]]] = []
+    for b in range(batch):
+        turns: dict[int, list[int]] = {}
+        for t in action_positions(masks[b]):
+            turns.setdefault(tids[b][t], []).append(t)
+        order = sorted(turns)
+        g, row = 0.0, {}
+        for k in reversed(order):
+            g = sum(rewards[b][t] for t in turns[k]) + gamma * g
+            row[k] = g
+        returns_by_turn.append(row)
+        positions_by_turn.append(turns)
+    advantages = [[0.0] * length for _ in range(batch)]
+    returns = [[0.0] * length for _ in range(batch)]
+    for b in range(batch):
+        group = [j for j in range(batch) if groups[j] == groups[b]]
+        for k, positions in positions_by_turn[b].items():
+            g = returns_by_turn[b][k]
+            reached = [returns_by_turn[j][k] for j in group if k in returns_by_turn[j]]
+            if name == "turn_grpo":
+                n = len(reached)
+                if n < 2:
+                    advantage = 0.0
+                else:
+                    mean = sum(reached) / n
+                    advantage = g - mean
+                    if norm_by_std:
+                        advantage /= math.sqrt(sum((x - mean) ** 2 for x in reached) / (n - 1)) + std_eps
+            else:
+                others = [returns_by_turn[j][k] for j in group if j != b and k in returns_by_turn[j]]
+                whole = [returns_by_turn[j][min(returns_by_turn[j])] if returns_by_turn[j] else 0.0
+                         for j in group if j != b]
+                if len(group) < 2:
+                    advantage = 0.0
+                elif others:
+                    advantage = g - sum(others) / len(others)
+                else:
+                    advantage = g - sum(whole) / len(whole)
+            for t in positions:
+                advantages[b][t], returns[b][t] = advantage, g
     return torch.tensor(advantages, dtype=torch.float64), torch.tensor(returns, dtype=torch.float64)

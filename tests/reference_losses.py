@@ -154,6 +154,11 @@ def masked_max(values: Grid, mask: Mask) -> float:
     return max(vals) if vals else 0.0
 
 
+def masked_min(values: Grid, mask: Mask) -> float:
+    vals = [v for v_row, m_row in zip(values, mask) for v, m in zip(v_row, m_row) if m]
+    return min(vals) if vals else 0.0
+
+
 # ---------------------------------------------------------------------------- policy losses
 
 def policy_loss(clip: str, ratio_name: str, logp: Grid, old_logp: Grid, advantages: Grid,
@@ -230,6 +235,7 @@ def policy_loss(clip: str, ratio_name: str, logp: Grid, old_logp: Grid, advantag
         "policy/clip_frac_high": masked_mean(clip_high, mask),
         "policy/is_weight_mean": masked_mean(r, mask),
         "policy/is_weight_max": masked_max(r, mask),
+        "policy/is_weight_min": masked_min(r, mask),
         "policy/approx_kl": masked_mean(approx_kl, mask),
     }
     if clip == "dual_clip":

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from keelrl.algos import ADVANTAGES, AlgoConfig, compute_advantages, outcome_to_token_rewards, td_errors
 from keelrl.algos.advantages import GROUP_STD_EPS
 
-from reference_advantages import GROUP_ESTIMATORS, STEP_ESTIMATORS, reference_advantages
+from reference_advantages import GROUP_ESTIMATORS, STEP_ESTIMATORS, TURN_ESTIMATORS, reference_advantages
 
 F64 = torch.float64
 EXACT = dict(rtol=0.0, atol=1e-12)  # hand-worked numbers, computed in float64
@@ -29,7 +29,7 @@ def run(name: str, *, token_rewards, mask, group_ids=None, values=None, turn_ids
 
 
 def test_estimator_names_are_the_documented_ones():
-    assert set(ADVANTAGES.names()) == set(GROUP_ESTIMATORS) | set(STEP_ESTIMATORS)
+    assert set(ADVANTAGES.names()) == set(GROUP_ESTIMATORS) | set(STEP_ESTIMATORS) | set(TURN_ESTIMATORS)
     assert set(CRITIC_NAMES) == {"td", "gae"}
 
 
@@ -452,3 +452,92 @@ def test_td_errors_checks_values_shape():
     inputs = small_inputs()
     with pytest.raises(ValueError, match="values"):
         td_errors(inputs["token_rewards"], torch.zeros(2, 1), inputs["mask"])
+
+
+# ------------------------------------------------------------ credit across episode lengths
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("name", TURN_ESTIMATORS)
+def test_turn_index_estimators_match_loop_reference(name, seed):
+    inputs = random_inputs(seed)
+    for gamma, norm_by_std in [(1.0, True), (0.9, False), (0.5, True)]:
+        out = run(name, **inputs, gamma=gamma, norm_by_std=norm_by_std)
+        ref_adv, ref_ret = reference_advantages(name, **inputs, gamma=gamma, lam=1.0, level="turn",
+                                                norm_by_std=norm_by_std, std_eps=GROUP_STD_EPS)
+        torch.testing.assert_close(out.advantages, ref_adv, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(out.returns, ref_ret, rtol=1e-10, atol=1e-10)
+
+
+def _episodes(turns: list[int], rewards: list[float]) -> dict:
+    """One action token per turn, the outcome reward on the last; rows padded to the longest."""
+    width = max(turns)
+    mask = torch.tensor([[k < n for k in range(width)] for n in turns])
+    turn_ids = torch.arange(width).expand(len(turns), width).clone()
+    return dict(token_rewards=outcome_to_token_rewards(torch.tensor(rewards, dtype=F64), mask), mask=mask,
+                turn_ids=turn_ids, group_ids=torch.zeros(len(turns), dtype=torch.long))
+
+
+def test_per_turn_index_normalisation_by_hand():
+    """Three attempts: submits at once and fails (1 turn, R 0), tests and fixes (3 turns, R 1),
+    gives up after two turns (R 0). Turn 0 compares all three (G = 0, 1, 0: mean 1/3, Bessel std
+    sqrt(1/3)); turn 1 the two that reached it (1, 0: mean 1/2, std sqrt(1/2)); turn 2 only the
+    fixer, who gets nothing for it under turn_grpo."""
+    inputs = _episodes([1, 3, 2], [0.0, 1.0, 0.0])
+    grpo = run("turn_grpo", **inputs).advantages
+    s3, s2 = math.sqrt(1 / 3) + GROUP_STD_EPS, math.sqrt(1 / 2) + GROUP_STD_EPS
+    expected = torch.tensor([[-1 / 3 / s3, 0, 0], [2 / 3 / s3, 0.5 / s2, 0.0], [-1 / 3 / s3, -0.5 / s2, 0]], dtype=F64)
+    torch.testing.assert_close(grpo, expected, **EXACT)
+    # Leave-one-out per index; turn 2 of the fixer, which no other attempt reached, against the
+    # others' whole returns (0 and 0).
+    rloo = run("turn_rloo", **inputs).advantages
+    torch.testing.assert_close(rloo, torch.tensor([[-0.5, 0, 0], [1.0, 1.0, 1.0], [-0.5, -1.0, 0]], dtype=F64), **EXACT)
+
+
+def _expected_gradient(estimator: str, aggregation: str, p: float, q: float, group: int) -> tuple[float, float]:
+    """E[the update's gradient] in (theta1, theta2) over every outcome of `group` attempts, exactly.
+
+    The agent's first turn submits (probability p = sigmoid(theta1), reward 0.5, one turn) or goes
+    on (two turns); its second turn fixes the bug (probability q = sigmoid(theta2), reward 1) or
+    not (0). One token per turn, so a turn's gradient of log pi is its token's. Aggregations:
+    seq_mean_token_sum (each episode's token sum over the group) and token_mean (all tokens' sum
+    over the batch's token count, which depends on how long the sampled episodes were)."""
+    import itertools
+
+    outcomes = {"short": (p, 1, 0.5, [(1 - p, 0.0)]),
+                "fixed": ((1 - p) * q, 2, 1.0, [(-p, 0.0), (0.0, 1 - q)]),
+                "failed": ((1 - p) * (1 - q), 2, 0.0, [(-p, 0.0), (0.0, -q)])}
+    total = [0.0, 0.0]
+    for combo in itertools.product(outcomes, repeat=group):
+        probability = math.prod(outcomes[o][0] for o in combo)
+        inputs = _episodes([outcomes[o][1] for o in combo], [outcomes[o][2] for o in combo])
+        advantages = run(estimator, **inputs).advantages
+        tokens = sum(outcomes[o][1] for o in combo)
+        normaliser = group if aggregation == "seq_mean_token_sum" else tokens
+        for row, o in enumerate(combo):
+            for k, grad in enumerate(outcomes[o][3]):
+                for axis in (0, 1):
+                    total[axis] += probability * float(advantages[row, k]) * grad[axis] / normaliser
+    return total[0], total[1]
+
+
+def test_only_a_leave_one_out_turn_baseline_and_an_episode_sum_follow_the_true_gradient():
+    """The policy gradient of J = 0.5 p + (1 - p) q is (p (1 - p) (0.5 - q), (1 - p) q (1 - q)).
+    turn_rloo with per-episode sums gives it exactly; Dr.GRPO's broadcast mean baseline gives
+    (1 - 1/G) times it (its own reward is in its baseline, the same share for every episode);
+    per-turn-index normalisation and token-mean aggregation each tilt it, because long and short
+    episodes weigh differently (float64, every outcome of a group of 3 enumerated)."""
+    p, q, group = 0.4, 0.3, 3
+    truth = (p * (1 - p) * (0.5 - q), (1 - p) * q * (1 - q))
+    assert _expected_gradient("turn_rloo", "seq_mean_token_sum", p, q, group) == pytest.approx(truth, rel=1e-12)
+    assert _expected_gradient("rloo", "seq_mean_token_sum", p, q, group) == pytest.approx(truth, rel=1e-12)
+    shrunk = tuple((1 - 1 / group) * g for g in truth)
+    assert _expected_gradient("dr_grpo", "seq_mean_token_sum", p, q, group) == pytest.approx(shrunk, rel=1e-12)
+
+    def tilt(gradient: tuple[float, float]) -> float:
+        """The angle between `gradient` and the true one, in degrees."""
+        cosine = (gradient[0] * truth[0] + gradient[1] * truth[1]) / (math.hypot(*gradient) * math.hypot(*truth))
+        return math.degrees(math.acos(min(1.0, cosine)))
+
+    assert tilt(_expected_gradient("dr_grpo", "token_mean", p, q, group)) > 1.0  # 2.3 degrees
+    assert tilt(_expected_gradient("turn_grpo", "seq_mean_token_sum", p, q, group)) > 20.0  # 28.5
+    assert tilt(_expected_gradient("grpo", "seq_mean_token_sum", p, q, group)) > 5.0  # 8.9: the std division

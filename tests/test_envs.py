@@ -119,7 +119,7 @@ def test_the_lectures_trajectory_observation_by_observation():
     observation, done, info = env.step("<call>test</call>")
     assert observation == ("tests: 3 passed, 1 failed\n"
                            "FAIL test_none: retry_count({'retries': None}): expected 3, got None")
-    assert (done, info) == (False, {"tool": "test"})
+    assert (done, info) == (False, {"tool": "test", "tests_passed": 3, "tests_failed": 1})
 
     observation, done, info = env.step(f"<call>edit\n{WRONG_LINE}\n>>>\n{FIX_LINES}</call>")
     assert observation == ("retry.py\n1| def retry_count(config):\n2|     value = config.get(\"retries\")\n"

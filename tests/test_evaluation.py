@@ -53,3 +53,49 @@ def test_an_undefined_error_is_null_so_the_report_is_valid_json():
     report = heldout_report([_trajectory("a", True, 1.0), _trajectory("b", False, 0.5)], ["x", "y"])
     assert report["by_kind"]["x"]["success_se"] is None and report["success_se"] is not None
     json.dumps(report, allow_nan=False)  # raises on NaN
+
+
+def _episode(turns: list[dict], success: bool, termination: str = "submitted", errors: int = 0) -> Trajectory:
+    trajectory = Trajectory(task_id="t", group_id=0)
+    trajectory.turn_info, trajectory.success, trajectory.termination = turns, success, termination
+    trajectory.actions = ["a"] * len(turns)
+    trajectory.action_errors = errors
+    return trajectory
+
+
+EDIT, SUBMIT = {"tool": "replace"}, {"tool": "submit"}
+PASS, FAIL, BROKEN = ({"tool": "test", "tests_passed": 4, "tests_failed": 0},
+                      {"tool": "test", "tests_passed": 3, "tests_failed": 1}, {"tool": "test", "tests_error": True})
+
+
+def test_agent_report_by_hand():
+    from keelrl.train.evaluation import agent_metrics, agent_report, first_test_failed
+
+    rows = [
+        _episode([EDIT, FAIL, EDIT, PASS, SUBMIT], True),          # recovered
+        _episode([EDIT, BROKEN, EDIT, FAIL, SUBMIT], False),       # first test after the edit: broken -> failed
+        _episode([EDIT, PASS, SUBMIT], True),                      # first edit passed
+        _episode([EDIT, SUBMIT], False),                           # never tested: unknown
+        _episode([{"error": "bad"}, FAIL, EDIT, FAIL], False, "max_turns", errors=1),  # a test before any edit
+        _episode([{"tool": "edit", "visible_passed": 2, "visible_total": 4}, EDIT, SUBMIT], True),  # shaping's counts
+        _episode([EDIT], False, "context_limit"),
+    ]
+    assert [first_test_failed(t, ("replace", "edit")) for t in rows] == [True, True, False, None, True, True, None]
+    report = agent_report(rows)
+    assert report["episodes"] == 7
+    assert report["turns_mean"] == pytest.approx((5 + 5 + 3 + 2 + 4 + 3 + 1) / 7)
+    assert report["tested_frac"] == pytest.approx(4 / 7)  # rows 0, 1, 2 and 4
+    assert report["first_edit_failed"] == 4 and report["recovery_rate"] == pytest.approx(2 / 4)  # rows 0 and 5
+    assert report["success_by_turns"] == {"1": {"episodes": 1, "success": 0.0}, "2": {"episodes": 1, "success": 0.0},
+                                          "3": {"episodes": 2, "success": 1.0}, "4": {"episodes": 1, "success": 0.0},
+                                          "5": {"episodes": 2, "success": 0.5}}
+    assert report["action_error_frac"] == pytest.approx(1 / 23) and report["context_limit_frac"] == pytest.approx(1 / 7)
+    metrics = agent_metrics(report, "eval/")
+    assert metrics["eval/recovery_rate"] == pytest.approx(0.5) and metrics["eval/success_turns_3"] == 1.0
+
+
+def test_agent_report_without_a_failed_first_edit_has_no_recovery_rate():
+    from keelrl.train.evaluation import agent_report
+
+    report = agent_report([_episode([EDIT, PASS, SUBMIT], True)])
+    assert math.isnan(report["recovery_rate"]) and report["first_edit_failed"] == 0

@@ -20,6 +20,7 @@ from conftest import FAST_RUN
 
 from keelrl.config import TINY_RUN, load_config
 from keelrl.runs import read_episodes
+from keelrl.viewer import CHARTS
 from keelrl.train.trainer import Trainer
 from keelrl.viewer import ViewError, collect_run, render_html, serve, write_report
 
@@ -132,7 +133,9 @@ def page(run_dir) -> Path:
 def test_page_renders_curves_alarms_and_the_last_steps_tokens(page, run_dir, tmp_path):
     dom, stderr = render(page, tmp_path=tmp_path)
     assert 'data-ready="true"' in dom and console_lines(stderr) == []
-    assert count(dom, r'class="chart" data-chart=') == 6
+    assert count(dom, r'class="chart" data-chart=') == len(CHARTS) == 8
+    for key in ("eval/tested_frac", "policy/is_weight_min"):
+        assert f'data-key="{key}"' in dom, key  # the agent and ratio-spread charts draw
     for key in ("train/reward", "eval/success", "policy/entropy", "policy/clip_frac"):
         assert f'data-key="{key}"' in dom, key  # a drawn curve
     episodes = read_episodes(run_dir)[3]

@@ -18,6 +18,10 @@ with the other trajectories of its group (`group_ids`, any integers; equal id = 
   `cfg.norm_by_std` (DeepSeekMath). A single-trajectory group has std 0 and advantage 0.
 - dr_grpo: score minus group mean, never divided (Dr.GRPO, Liu et al. 2025).
 - rloo: score minus the mean of the *other* members of its group (Kool et al. 2019).
+- turn_grpo, turn_rloo: per turn index k over turns (always turn level): each turn's
+  reward-to-go G_k against the group's episodes that reached turn k; turn_grpo normalises per
+  index (as multi-turn GRPO variants do, biased when episodes differ in length), turn_rloo
+  takes a leave-one-out baseline per index (unbiased; docs/credit-assignment.md).
 
 Their `returns` are the discounted reward-to-go at `cfg.level`, as `reward_to_go` computes it,
 so a critic can be trained beside a group estimator. A row without action tokens still counts
@@ -206,6 +210,75 @@ def rloo(*, token_rewards: Tensor, mask: Tensor, group_ids: Tensor,
     others_mean = (_group_sum(offsets, same) - offsets) / (size - 1).clamp(min=1)  # as offsets
     advantage = torch.where(size > 1, offsets - others_mean, torch.zeros_like(scores))
     return _group_output(advantage, token_rewards, mask, turn_ids, cfg)
+
+
+def _turn_returns(token_rewards: Tensor, mask: Tensor, turn_ids: Tensor | None,
+                  gamma: float) -> tuple[Tensor, Tensor, Tensor]:
+    """-> (G [B, K] each turn's discounted reward-to-go over turns, is-turn [B, K], ids [B, T])."""
+    token_rewards = _sanitize(token_rewards, mask)
+    turn_rewards, turn_values, is_turn, ids = _to_turns(token_rewards, torch.zeros_like(token_rewards), mask,
+                                                        turn_ids)
+    _, returns = _scan(turn_rewards, turn_values, is_turn, gamma, 1.0)
+    return returns, is_turn, ids
+
+
+def _per_index(returns: Tensor, is_turn: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """For each row i and turn index k, over the rows j of i's group that have a turn k:
+    (count [B, K], sum of G [B, K], sum of G^2 [B, K]); i itself included where it has one."""
+    same = _same_group(group_ids, returns.shape[0]).unsqueeze(2)  # [B, B, 1]
+    member = same & is_turn.unsqueeze(0)  # [B, B, K]: j (dim 1) in i's group with a turn k
+    zero = torch.zeros((), dtype=returns.dtype, device=returns.device)
+    values = torch.where(member, returns.unsqueeze(0), zero)
+    return member.sum(dim=1).to(returns.dtype), values.sum(dim=1), (values * values).sum(dim=1)
+
+
+@ADVANTAGES.register("turn_grpo", summary="per turn index: (G_k - mean) / std over the group's turns k",
+                     tags=("group", "uses_std"))
+def turn_grpo(*, token_rewards: Tensor, mask: Tensor, group_ids: Tensor,
+              values: Tensor | None, turn_ids: Tensor | None, cfg: "AlgoConfig") -> AdvantageOutput:
+    """Per-turn-index normalisation, as multi-turn GRPO variants do it: turn k's advantage is its
+    reward-to-go G_k (over turns, `cfg.gamma`) minus the mean of G_k over the group's episodes
+    that have a turn k, divided by their std (Bessel) when `cfg.norm_by_std`; 0 where only one
+    episode reached turn k. Kept to show its bias (docs/credit-assignment.md): when episodes end
+    at different turns, the comparison set at turn k is the episodes long enough to reach it,
+    each episode is in its own baseline, and a late turn that only one episode reached gets
+    nothing, so long and short episodes are weighted differently. `turn_rloo` removes it."""
+    returns, is_turn, ids = _turn_returns(token_rewards, mask, turn_ids, cfg.gamma)
+    count, total, squares = _per_index(returns, is_turn, group_ids)
+    mean = total / count.clamp(min=1)
+    advantage = returns - mean
+    if cfg.norm_by_std:
+        variance = (squares - count * mean * mean).clamp(min=0) / (count - 1).clamp(min=1)
+        advantage = advantage / (variance.sqrt() + GROUP_STD_EPS)
+    advantage = torch.where(is_turn & (count > 1), advantage, torch.zeros_like(advantage))
+    return AdvantageOutput(masked_fill_zero(advantage.gather(1, ids), mask),
+                           masked_fill_zero(returns.gather(1, ids), mask))
+
+
+@ADVANTAGES.register("turn_rloo", summary="per turn index: G_k - mean G_k of the group's other episodes",
+                     tags=("group",))
+def turn_rloo(*, token_rewards: Tensor, mask: Tensor, group_ids: Tensor,
+              values: Tensor | None, turn_ids: Tensor | None, cfg: "AlgoConfig") -> AdvantageOutput:
+    """Turn credit that is unbiased whatever lengths the episodes take: turn k's advantage is its
+    reward-to-go G_k (over turns, `cfg.gamma`) minus the mean G_k of the *other* episodes of its
+    group that reached turn k; where none did, minus the mean whole-episode return G_0 of the
+    group's others. Each baseline is made of other episodes only, which the turn's action cannot
+    change, so E[advantage x grad log pi(turn)] is the policy gradient exactly (no std division,
+    no self-inclusion, no length-dependent weight); a single-episode group gets 0."""
+    returns, is_turn, ids = _turn_returns(token_rewards, mask, turn_ids, cfg.gamma)
+    count, total, _ = _per_index(returns, is_turn, group_ids)
+    own = torch.where(is_turn, returns, torch.zeros_like(returns))
+    others = count - is_turn.to(returns.dtype)
+    index_baseline = (total - own) / others.clamp(min=1)
+    same = _same_group(group_ids, returns.shape[0])
+    first = is_turn.to(torch.int8).argmax(dim=1, keepdim=True)  # the row's first turn (0 for a row without)
+    episode_returns = returns.gather(1, first).squeeze(1)  # [B]: G from the first turn, the whole return
+    size = same.sum(dim=1).to(returns.dtype)
+    episode_baseline = (_group_sum(episode_returns, same) - episode_returns) / (size - 1).clamp(min=1)  # [B]
+    baseline = torch.where(others > 0, index_baseline, episode_baseline.unsqueeze(1))
+    advantage = torch.where(is_turn & (size > 1).unsqueeze(1), returns - baseline, torch.zeros_like(returns))
+    return AdvantageOutput(masked_fill_zero(advantage.gather(1, ids), mask),
+                           masked_fill_zero(returns.gather(1, ids), mask))
 
 
 def _scan(rewards: Tensor, values: Tensor, steps: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:

@@ -6,8 +6,9 @@ by `cfg.ratio`, applies its clip rule to get a per-token loss, and reduces it wi
 `cfg.aggregation`. Metrics are detached 0-dim tensors under namespaced keys (no host sync):
 
     policy/loss, policy/clip_frac (low + high), policy/clip_frac_low, policy/clip_frac_high,
-    policy/is_weight_mean, policy/is_weight_max, policy/approx_kl (k3 estimate of KL(mu || pi)
-    from token ratios, log-ratios clamped like the weights)
+    policy/is_weight_mean, policy/is_weight_max, policy/is_weight_min (the ratio's spread over the
+    action tokens), policy/approx_kl (k3 estimate of KL(mu || pi) from
+    token ratios, log-ratios clamped like the weights)
 
 `policy_objective` adds policy/entropy (when per-token entropy is given), policy/kl_ref
 (when reference log-probs are given) and loss/total.
@@ -100,6 +101,7 @@ def _ratio_metrics(ratio: Tensor, logp: Tensor, old_logp: Tensor, mask: Tensor,
         "policy/clip_frac_high": masked_mean(clip_high.to(weight.dtype), mask),
         "policy/is_weight_mean": masked_mean(weight, mask),
         "policy/is_weight_max": masked_max(weight, mask),
+        "policy/is_weight_min": -masked_max(-weight, mask),
         "policy/approx_kl": masked_mean(approx_kl, mask),
     }
 

@@ -18,6 +18,20 @@ included); `grade()` runs the verifier's hidden checks on the working copy with 
 restored from the base commit. A malformed action, an unknown tool, a bad line number or an
 ambiguous edit produces an error observation and costs a turn.
 
+Each step's info names the tool (info["tool"]); a `test` step adds its counts
+(info["tests_passed"], info["tests_failed"], or info["tests_error"] when the tests could not
+run). Per-turn rewards (info["reward"]), off by default:
+
+- `shaping` > 0: potential-based shaping (Ng, Harada and Russell 1999) with the potential
+  phi(s) = shaping x the share of the visible tests the code passes, run with the task's own
+  test file (an edited test file earns nothing). An edit's turn gets phi(after) - phi(before);
+  the episode's last turn also gets -phi(its state), the potential of the end state being 0, so
+  an episode's shaping rewards sum to -phi(the task's base code), the same for every attempt at
+  a task: the best policy is unchanged, while each edit is credited with the tests it fixed or
+  broke. Each edit runs the visible tests once more (info["visible_passed"], info["visible_total"]).
+- `malformed_cost`: a rejected action's turn gets -malformed_cost (a penalty, not a potential
+  difference: it makes malformed actions worse than they were, which no policy should want).
+
 Lines are split at newlines only (not `str.splitlines`, which also breaks at form feeds and
 Unicode separators that Python source may hold inside strings), so `replace` changes exactly
 one line and the line numbers `read` shows are the ones `replace` uses. Files are UTF-8.
@@ -33,6 +47,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from keelrl.envs.base import Grade
+from keelrl.envs.shaping import shaping_reward
 from keelrl.envs.tasks import Task
 from keelrl.envs.tools import ActionError, ToolCall, ToolSpec, describe_tools, parse_action
 from keelrl.sandbox import Sandbox
@@ -81,9 +96,14 @@ class CodingEnv:
 
     def __init__(self, verifier: str | Verifier = "strong", *, sandbox: Sandbox | None = None,
                  max_turns: int = 12, max_action_chars: int = 4000, use_git: bool = True,
-                 show_tools: bool = True, show_file: bool = False) -> None:
+                 show_tools: bool = True, show_file: bool = False, shaping: float = 0.0,
+                 malformed_cost: float = 0.0) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        for name, value in (("shaping", shaping), ("malformed_cost", malformed_cost)):
+            if not 0.0 <= value < float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        self.shaping, self.malformed_cost = float(shaping), float(malformed_cost)
         self.sandbox = sandbox or Sandbox(DEFAULT_LIMITS)
         self.verifier = make_verifier(verifier, self.sandbox) if isinstance(verifier, str) else verifier
         self.max_turns = max_turns
@@ -97,6 +117,10 @@ class CodingEnv:
         self.done = False
         self._grade: Grade | None = None
         self._cleanup: weakref.finalize | None = None
+        self._potential = 0.0
+        """Shaping: phi of the working copy as it is now."""
+        self._info: dict[str, Any] = {}
+        """What the current step's tool adds to its info (test counts)."""
 
     # -- protocol ------------------------------------------------------------------------
     def reset(self, task: Task) -> str:
@@ -115,6 +139,8 @@ class CodingEnv:
             _git(self.workdir, "add", "-A")
             _git(self.workdir, "commit", "-q", "-m", "base")
         self.turn, self.done, self._grade = 0, False, None
+        if self.shaping > 0:
+            self._potential = self.shaping * _base_visible_share(task, self.sandbox)
         files = ", ".join(sorted(task.files))
         tools = f"\n{describe_tools(CODING_TOOLS)}" if self.show_tools else ""
         shown = f"\n{self._read(self.workdir / task.entry_file)}" if self.show_file else ""
@@ -127,19 +153,36 @@ class CodingEnv:
         if self.done:
             raise RuntimeError("the episode is over; call reset(task) to start another")
         self.turn += 1
+        self._info = {}
+        reward = 0.0
         try:
             call = parse_action(action_text, CODING_TOOLS, self.max_action_chars)
             observation, done = self._dispatch(call)
-            info: dict[str, Any] = {"tool": call.name}
+            info: dict[str, Any] = {"tool": call.name, **self._info}
         except ActionError as error:
             observation, done, info = str(error), False, {"error": str(error).splitlines()[0]}
+            reward -= self.malformed_cost
         if not done and self.turn >= self.max_turns:
             observation += f"\nturn limit ({self.max_turns}) reached; the episode ends."
             done, info["termination"] = True, "max_turns"
         elif done:
             info["termination"] = "submitted"
+        if self.shaping > 0:
+            before = self._potential
+            if "error" not in info and info["tool"] in ("replace", "edit"):
+                self._potential = self._phi(info)
+            reward += shaping_reward(before, self._potential, done)
+        if self.shaping > 0 or self.malformed_cost > 0:
+            info["reward"] = reward
         self.done = done
         return observation, done, info
+
+    def _phi(self, info: dict[str, Any]) -> float:
+        """The shaping potential of the working copy; its visible-test counts go in `info`."""
+        assert self.task is not None
+        passed, total = visible_counts(self.task, self.current_files(), self.sandbox)
+        info["visible_passed"], info["visible_total"] = passed, total
+        return self.shaping * (passed / total if total else 0.0)
 
     def grade(self) -> Grade:
         if self.task is None:
@@ -245,11 +288,53 @@ class CodingEnv:
         assert self.task is not None
         results, error = run_visible_tests(self.task, self.current_files(), self.sandbox)
         if error:
+            self._info = {"tests_error": True}
             return f"tests could not run: {error}"
         failed = [result for result in results if not result["passed"]]
+        self._info = {"tests_passed": len(results) - len(failed), "tests_failed": len(failed)}
         lines = [f"tests: {len(results) - len(failed)} passed, {len(failed)} failed"]
         lines += [f"FAIL {result['name']}: {result['message']}" for result in failed]
         return "\n".join(lines)
+
+
+def visible_counts(task: Task, files: dict[str, str], sandbox: Sandbox) -> tuple[int, int]:
+    """(visible tests passed, visible tests) for `files` run with the task's own test file
+    (0 passed when the code or the tests cannot be imported)."""
+    runnable = {**files, task.test_file: task.files[task.test_file]} if task.test_file in task.files else dict(files)
+    results, error = run_visible_tests(task, runnable, sandbox)
+    total = len(results) if not error else _visible_total(task, sandbox)
+    return (0 if error else sum(bool(result["passed"]) for result in results)), total
+
+
+_BASE_SHARES: dict[tuple[str, int], float] = {}
+_TOTALS: dict[tuple[str, int], int] = {}
+_CACHE_LIMIT = 4096
+
+
+def _key(task: Task) -> tuple[str, int]:
+    return task.id, hash(tuple(sorted(task.files.items())))
+
+
+def _visible_total(task: Task, sandbox: Sandbox) -> int:
+    """How many visible tests the task has (run on its reference fix, which imports)."""
+    key = _key(task)
+    if key not in _TOTALS:
+        if len(_TOTALS) >= _CACHE_LIMIT:
+            _TOTALS.clear()
+        results, _ = run_visible_tests(task, task.fixed_files(), sandbox)
+        _TOTALS[key] = len(results)
+    return _TOTALS[key]
+
+
+def _base_visible_share(task: Task, sandbox: Sandbox) -> float:
+    """The share of visible tests the task's base code passes (once per task and process)."""
+    key = _key(task)
+    if key not in _BASE_SHARES:
+        if len(_BASE_SHARES) >= _CACHE_LIMIT:
+            _BASE_SHARES.clear()
+        passed, total = visible_counts(task, dict(task.files), sandbox)
+        _BASE_SHARES[key] = passed / total if total else 0.0
+    return _BASE_SHARES[key]
 
 
 def _write(path: Path, text: str) -> None:
@@ -269,8 +354,9 @@ class CodingEnvFactory:
 
     def __init__(self, verifier: str, *, partial_credit: bool = True, max_turns: int = 6,
                  show_tools: bool = False, show_file: bool = False, key_weight: float = 1.0,
-                 hidden_paths: Sequence[str] = ()) -> None:
+                 hidden_paths: Sequence[str] = (), shaping: float = 0.0, malformed_cost: float = 0.0) -> None:
         self.verifier, self.partial_credit, self.key_weight = verifier, partial_credit, key_weight
+        self.shaping, self.malformed_cost = shaping, malformed_cost
         self.hidden_paths = list(hidden_paths)
         self.max_turns, self.show_tools, self.show_file = max_turns, show_tools, show_file
         self._built: tuple[Sandbox, Any] | None = None
@@ -285,4 +371,4 @@ class CodingEnvFactory:
                                                   key_weight=self.key_weight))
         sandbox, verifier = self._built
         return CodingEnv(verifier, sandbox=sandbox, max_turns=self.max_turns, show_tools=self.show_tools,
-                         show_file=self.show_file)
+                         show_file=self.show_file, shaping=self.shaping, malformed_cost=self.malformed_cost)

@@ -202,7 +202,8 @@ def _coding_env(cfg: KeelConfig, training: bool) -> EnvFactory:
     if training:
         return CodingEnvFactory(env.verifier, partial_credit=env.partial_credit, max_turns=env.max_turns,
                                 show_tools=env.show_tools, show_file=env.show_file, key_weight=env.key_check_weight,
-                                hidden_paths=coding_hidden_paths(cfg))
+                                hidden_paths=coding_hidden_paths(cfg), shaping=env.shaping,
+                                malformed_cost=env.malformed_cost)
     return CodingEnvFactory("strong", partial_credit=False, max_turns=env.max_turns, show_tools=env.show_tools,
                             show_file=env.show_file, key_weight=1.0, hidden_paths=coding_hidden_paths(cfg))
 
@@ -278,7 +279,7 @@ def _register_builtins() -> None:
     register_env(EnvSpec(name="coding", tasks=_coding_tasks, train_env=lambda cfg: _coding_env(cfg, True),
                          eval_env=lambda cfg: _coding_env(cfg, False), teacher=_coding_teacher,
                          answer_tools=PATCH_TOOLS, verifiers=_coding_verifiers(), title="the coding environment",
-                         fields=("tasks", "key_check_weight")))
+                         fields=("tasks", "key_check_weight", "shaping", "malformed_cost")))
     register_env(EnvSpec(name="guess", tasks=_guess_tasks, train_env=lambda cfg: _guess_env(cfg, True),
                          eval_env=lambda cfg: _guess_env(cfg, False), teacher=_guess_teacher,
                          answer_tools=("guess",), verifiers=GUESS_VERIFIERS, title="the guessing game",

@@ -366,6 +366,8 @@ class EpisodeScheduler:
             episode.passes.append(episode.passes[-1] if passes is None else passes)
             episode.acting.append(info.get("tool") not in getattr(episode.env, "read_only_tools", ()))
         trajectory.observations.append(observation)
+        trajectory.turn_info.append({key: value for key, value in info.items()
+                                     if isinstance(value, (str, int, float, bool))})
         if info.get("error"):
             trajectory.action_errors += 1
         turn = episode.turn

@@ -52,6 +52,9 @@ class Trajectory:
     """The hidden checks passed before the first turn, then after each turn (the labels' evidence)."""
     action_errors: int = 0
     """Turns whose action the environment rejected (malformed call, bad argument: info["error"])."""
+    turn_info: list[dict[str, Any]] = field(default_factory=list)
+    """Each turn's `info` from env.step, its plain values only (str, int, float, bool): the tool
+    (coding: info["tool"]), the error, the test counts, the turn's reward (info["reward"])."""
     seconds: dict[str, float] = field(default_factory=dict)
 
     def extend(self, tokens: Sequence[int], *, action: bool, turn: int, logprobs: Sequence[float] | None = None) -> None:
@@ -66,6 +69,12 @@ class Trajectory:
     @property
     def num_action_tokens(self) -> int:
         return sum(self.action_mask)
+
+    @property
+    def turn_rewards(self) -> list[float]:
+        """Each turn's own reward (info["reward"], 0 where the environment gave none), beside the
+        outcome reward the grade gives the episode."""
+        return [float(info.get("reward", 0.0)) for info in self.turn_info]
 
     def to_text(self, tokenizer: Any) -> str:
         """A readable transcript: prompt, then each action and observation."""
@@ -98,6 +107,8 @@ class Batch:
     """[B, T] bool: the environment's tokens after the prompt (tool outputs, observations)."""
     step_labels: Tensor | None = None
     """[B, T] long: each labelled turn's process label (0 or 1) at its last action token, -1 elsewhere."""
+    step_rewards: Tensor | None = None
+    """[B, T] float: each turn's own reward (`Trajectory.turn_rewards`) at its last action token, 0 elsewhere."""
 
     def to(self, device: torch.device) -> "Batch":
         return Batch(**{name: None if value is None else value.to(device)  # type: ignore[arg-type]
@@ -115,9 +126,14 @@ def collate(trajectories: Sequence[Trajectory], pad_id: int) -> Batch:
     turns = torch.zeros((batch, width), dtype=torch.long)
     observation = torch.zeros((batch, width), dtype=torch.bool)
     labels = torch.full((batch, width), -1, dtype=torch.long)
+    step_rewards = torch.zeros((batch, width), dtype=torch.float32)
     for row, trajectory in enumerate(trajectories):
         for position, label in step_positions(trajectory):
             labels[row, position] = label
+        last = last_action_positions(trajectory)
+        for turn, reward in enumerate(trajectory.turn_rewards):
+            if reward and turn in last:
+                step_rewards[row, last[turn]] = reward
         n = len(trajectory.token_ids)
         input_ids[row, :n] = torch.tensor(trajectory.token_ids)
         attention[row, :n] = 1
@@ -127,14 +143,20 @@ def collate(trajectories: Sequence[Trajectory], pad_id: int) -> Batch:
         turns[row, :n] = torch.tensor(trajectory.turn_ids)
     rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
     groups = torch.tensor([t.group_id for t in trajectories], dtype=torch.long)
-    return Batch(input_ids, attention, action, behaviour, turns, rewards, groups, observation, labels)
+    return Batch(input_ids, attention, action, behaviour, turns, rewards, groups, observation, labels, step_rewards)
 
 
-def step_positions(trajectory: Trajectory) -> list[tuple[int, int]]:
-    """(position of the turn's last action token, label) for each labelled turn of `trajectory`."""
+def last_action_positions(trajectory: Trajectory) -> dict[int, int]:
+    """{turn: position of the turn's last action token} for each turn with action tokens."""
     last: dict[int, int] = {}
     for position, (acting, turn) in enumerate(zip(trajectory.action_mask, trajectory.turn_ids)):
         if acting:
             last[turn] = position
+    return last
+
+
+def step_positions(trajectory: Trajectory) -> list[tuple[int, int]]:
+    """(position of the turn's last action token, label) for each labelled turn of `trajectory`."""
+    last = last_action_positions(trajectory)
     return [(last[turn], label) for turn, label in enumerate(trajectory.step_labels)
             if label >= 0 and turn in last]

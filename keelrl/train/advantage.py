@@ -4,8 +4,10 @@ In this order, all without gradients:
 1. the no-grad passes: the policy's proximal log-probs (with the critic's values and, for the
    process reward model, the hidden states at labelled turns) unless the update's own pass
    gives them (`prox_from_update`), and the frozen reference's log-probs;
-2. the outcome reward spread over the action tokens, less the KL penalty when it is in the
-   reward (`algo.kl_in_reward`);
+2. the outcome reward on the last action token, each turn's own reward (`Batch.step_rewards`:
+   an environment's per-turn reward, e.g. the coding environment's potential-based shaping) on
+   that turn's last action token, less the KL penalty when it is in the reward
+   (`algo.kl_in_reward`);
 3. the registered advantage estimator (group baseline, or critic + GAE);
 4. process reward shaping: the process reward model scores the turns (before it is fitted on
    this batch: an out-of-sample accuracy), adds `prm.weight` x its advantages, then fits;
@@ -112,6 +114,8 @@ class AdvantageStage:
                                                   keys=keys, hidden_at=steps if self.prm is not None else None)
         prox_logp = prox_out.get("logp")
         token_rewards = outcome_to_token_rewards(batch.rewards, mask)
+        if batch.step_rewards is not None:
+            token_rewards = token_rewards + batch.step_rewards.to(token_rewards.dtype).masked_fill(~mask, 0.0)
         ref_logp = None
         if self.reference is not None:
             with self.autocast():

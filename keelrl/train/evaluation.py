@@ -86,13 +86,69 @@ def action_error_frac(trajectories: Sequence[Trajectory]) -> float:
     return sum(t.action_errors for t in trajectories) / max(1, sum(len(t.actions) for t in trajectories))
 
 
+TEST_TOOL = "test"
+"""The tool that runs the visible tests (the coding environment's); its info carries the counts."""
+
+
+def first_test_failed(trajectory: Trajectory, edit_tools: Sequence[str]) -> bool | None:
+    """Whether the episode's first accepted edit failed a visible test: the visible-test counts the
+    edit's own turn records (`info["visible_passed"]` of shaping) when present, else the first
+    `test` run after it (`tests_failed` or `tests_error`); None when no edit was made or no test
+    ran after it (unknown)."""
+    edited = False
+    for info in trajectory.turn_info:
+        if not edited:
+            if info.get("tool") in edit_tools and not info.get("error"):
+                edited = True
+                if "visible_passed" in info:
+                    return bool(info["visible_passed"] < info.get("visible_total", 0))
+            continue
+        if info.get("tool") == TEST_TOOL and not info.get("error"):
+            return bool(info.get("tests_error") or info.get("tests_failed", 0) > 0)
+    return None
+
+
+def agent_report(trajectories: Sequence[Trajectory], edit_tools: Sequence[str] = ("replace", "edit")) -> dict[str, Any]:
+    """How the episodes behaved as an agent's: turns per episode, the share that ran the visible
+    tests before ending (`tested_frac`), the recovery rate (of the episodes whose first edit
+    failed a visible test, as `first_test_failed` knows it, the share that ended solved), strict
+    success by number of turns, the malformed-action share (of turns) and the context-limit share
+    (of episodes). Episodes whose environment failed are left out."""
+    rows = [t for t in trajectories if t.termination != "env_error"]
+    n = max(1, len(rows))
+    failed_first = [t for t in rows if first_test_failed(t, edit_tools)]
+    by_turns: dict[int, list[Trajectory]] = defaultdict(list)
+    for t in rows:
+        by_turns[len(t.actions)].append(t)
+    tested = sum(any(info.get("tool") == TEST_TOOL and not info.get("error") for info in t.turn_info) for t in rows)
+    return {"episodes": len(rows), "turns_mean": sum(len(t.actions) for t in rows) / n, "tested_frac": tested / n,
+            "first_edit_failed": len(failed_first),
+            "recovery_rate": (sum(t.success for t in failed_first) / len(failed_first)) if failed_first else math.nan,
+            "success_by_turns": {str(turns): {"episodes": len(group),
+                                              "success": sum(t.success for t in group) / len(group)}
+                                 for turns, group in sorted(by_turns.items())},  # str keys, as JSON has them
+            "action_error_frac": action_error_frac(rows), "context_limit_frac": context_limit_frac(rows)}
+
+
+def agent_metrics(report: dict[str, Any], prefix: str) -> dict[str, float]:
+    """`agent_report`'s figures as metric keys under `prefix` (success by turns as success_turns_N)."""
+    row = {f"{prefix}{key}": float(report[key]) for key in ("turns_mean", "tested_frac", "recovery_rate",
+                                                             "first_edit_failed", "action_error_frac",
+                                                             "context_limit_frac")}
+    row.update({f"{prefix}success_turns_{turns}": block["success"]
+                for turns, block in report["success_by_turns"].items()})
+    return row
+
+
 class Evaluator:
     """Held-out evaluation of the run's policy (module docstring). `make_env` builds the
     evaluation environments (strong verifier), `rollout` (one attempt per task) how episodes run."""
 
     def __init__(self, cfg: KeelConfig, model: Any, tokenizer: Any, device: torch.device, make_env: Callable[[], Any],
-                 rollout: EpisodeLimits, prm: ProcessRewardModel | None, autocast: Callable[[], Any]) -> None:
+                 rollout: EpisodeLimits, prm: ProcessRewardModel | None, autocast: Callable[[], Any],
+                 edit_tools: Sequence[str] = ("replace", "edit")) -> None:
         self.cfg, self.model, self.tokenizer, self.device = cfg, model, tokenizer, device
+        self.edit_tools = tuple(edit_tools)
         self.make_env, self.rollout, self.prm, self.autocast = make_env, rollout, prm, autocast
         self._copy: Any = None
         self.last_report: dict[str, Any] | None = None
@@ -122,11 +178,12 @@ class Evaluator:
                                     model_actor(self.eval_model(), self.tokenizer, sampling),
                                     self.rollout, seed=self.cfg.seed + 7919)
         report = heldout_report(trajectories, [getattr(task, "kind", "all") for task in tasks])
+        agent = agent_report(trajectories, self.edit_tools)
+        report["agent"] = {**agent, "recovery_rate": finite_or_none(agent["recovery_rate"])}
         self.last_report = report
         return {"eval/success": report["success"], "eval/success_se": report["success_se"],
                 "eval/partial": report["partial"], "eval/partial_se": report["partial_se"],
-                "eval/action_error_frac": action_error_frac(trajectories),
-                "eval/context_limit_frac": context_limit_frac(trajectories),
+                **agent_metrics(agent, "eval/"),
                 "eval/tasks": len(trajectories), **self.heldout_prm(trajectories)}
 
     @torch.no_grad()

@@ -44,7 +44,8 @@ from keelrl.train.episodes import TokenRecord
 
 OBJECTIVE_METRICS = frozenset({"policy/loss", "loss/total", "value/loss", "distill/loss"})
 """Metrics that are values of the aggregated objective: combined over micro-batches with the
-loss scale. The others are action-token means (combined by token share) or `*_max` (max)."""
+loss scale. The others are action-token means (combined by token share), `*_max` (max) or
+`*_min` (min)."""
 
 
 def aggregation_weights(mask: Tensor, cfg: AlgoConfig) -> Tensor:
@@ -86,17 +87,17 @@ def combine_micro_metrics(parts: Sequence[tuple[dict[str, Tensor], float, float,
     """Per-micro-batch metrics -> the minibatch's. Each part: (metrics, loss scale, share of the
     minibatch's action tokens, has action tokens).
 
-    Objective values (OBJECTIVE_METRICS) add up with the loss scale, `*_max` metrics take the
-    max over micro-batches with action tokens, and the rest (action-token means) add up with
+    Objective values (OBJECTIVE_METRICS) add up with the loss scale, `*_max` and `*_min` metrics
+    take the max and the min over micro-batches with action tokens, and the rest (action-token means) add up with
     the token share.
     """
     combined: dict[str, float] = {}
     for key in parts[0][0]:
         if key in OBJECTIVE_METRICS:
             combined[key] = sum(float(metrics[key]) * scale for metrics, scale, _, _ in parts)
-        elif key.endswith("_max"):
+        elif key.endswith(("_max", "_min")):
             acted = [float(metrics[key]) for metrics, _, _, has_tokens in parts if has_tokens]
-            combined[key] = max(acted) if acted else 0.0
+            combined[key] = (max if key.endswith("_max") else min)(acted) if acted else 0.0
         else:
             combined[key] = sum(float(metrics[key]) * share for metrics, _, share, _ in parts)
     return combined

@@ -30,7 +30,8 @@ from keelrl.rollout.trajectory import Trajectory
 from keelrl.runs import (ALARMS, SUMMARY, alarm_sample_path, append_jsonl, atomic_write_text, read_metrics, sample_path,
                          write_episodes)
 from keelrl.train.episodes import TokenRecord, episode_rows
-from keelrl.train.evaluation import action_error_frac, context_limit_frac, finite_or_none, paired_difference
+from keelrl.train.evaluation import (action_error_frac, agent_metrics, agent_report, context_limit_frac, finite_or_none,
+                                    paired_difference)
 
 
 PRECISION = "precision.json"
@@ -73,7 +74,10 @@ def episode_metrics(trajectories: Sequence[Trajectory], tokens: int, answer_tool
             "train/turns": sum(len(t.actions) for t in trajectories) / n,
             "train/action_error_frac": action_error_frac(trajectories),
             "train/context_limit_frac": context_limit_frac(trajectories),
-            "train/distinct_patches": distinct_patches(groups_of(trajectories), answer_tools)}
+            "train/turn_reward": sum(sum(t.turn_rewards) for t in trajectories) / n,
+            "train/distinct_patches": distinct_patches(groups_of(trajectories), answer_tools),
+            **{key: value for key, value in agent_metrics(agent_report(trajectories, answer_tools), "train/").items()
+               if key not in ("train/turns_mean", "train/action_error_frac", "train/context_limit_frac")}}
 
 
 def lift_summary(heldout: dict[str, Any]) -> dict[str, Any]:
@@ -84,7 +88,7 @@ def lift_summary(heldout: dict[str, Any]) -> dict[str, Any]:
         report = heldout.get(stage)
         if report:
             out[f"heldout_{stage}"] = {key: report[key] for key in ("tasks", "success", "success_se",
-                                                                    "partial", "partial_se")}
+                                                                    "partial", "partial_se", "agent") if key in report}
     if heldout.get("warm_start") and heldout.get("final"):
         lift, lift_se = paired_difference(heldout["warm_start"]["task_success"], heldout["final"]["task_success"])
         out["rl_lift"] = {"success": lift, "success_se": finite_or_none(lift_se)}

@@ -2,7 +2,7 @@
 
 The page holds everything it shows (no server, no network, no script from elsewhere): the run's
 curves (training reward and held-out success, partial credit, entropy, KL, clip fractions,
-staleness) drawn from metrics.jsonl, the alarms from alarms.jsonl with the trajectories each one
+the agent's test runs, recoveries and turns, the importance ratio's spread, staleness) drawn from metrics.jsonl, the alarms from alarms.jsonl with the trajectories each one
 saved (alarms/NAME_step_NNNN.txt), and, for any step, the episodes of episodes/step_NNNN.jsonl
 (`keelrl.train.episodes`): each turn's action and observation, the reward and the checks behind
 it, and each action token shaded by its advantage, with its log-prob, behaviour log-prob, ratio
@@ -37,6 +37,12 @@ CHARTS: list[dict[str, Any]] = [
      "series": [("policy/approx_kl", "to the behaviour policy"), ("policy/kl_ref", "to the reference")]},
     {"id": "clip", "title": "clip fractions",
      "series": [("policy/clip_frac", "all"), ("policy/clip_frac_low", "low"), ("policy/clip_frac_high", "high")]},
+    {"id": "agent", "title": "the agent: tests run, recoveries, turns",
+     "series": [("train/tested_frac", "training: ran the tests"), ("eval/tested_frac", "held-out: ran the tests"),
+                ("train/recovery_rate", "training: recovered"), ("eval/recovery_rate", "held-out: recovered"),
+                ("eval/turns_mean", "held-out: turns per episode")]},
+    {"id": "ratio", "title": "importance ratio spread",
+     "series": [("policy/is_weight_min", "min"), ("policy/is_weight_mean", "mean"), ("policy/is_weight_max", "max")]},
     {"id": "staleness", "title": "staleness (policy versions behind)",
      "series": [("rollout/staleness_mean", "mean"), ("rollout/staleness_max", "max")]},
 ]
@@ -67,6 +73,14 @@ def _headline(summary: dict[str, Any], metrics: list[dict[str, Any]]) -> list[di
     lift = summary.get("rl_lift")
     if isinstance(lift, dict) and "success" in lift:
         items.append({"label": "RL's lift (points)", "value": f"{100 * lift['success']:+.1f}"})
+    final = summary.get("heldout_final") or summary.get("heldout_warm_start")
+    agent = final.get("agent") if isinstance(final, dict) else None
+    if isinstance(agent, dict) and "turns_mean" in agent:
+        recovery = agent.get("recovery_rate")
+        items += [{"label": "held-out turns per episode", "value": f"{agent['turns_mean']:.2f}"},
+                  {"label": "held-out episodes that ran the tests", "value": f"{agent['tested_frac']:.3f}"},
+                  {"label": "held-out recovery rate", "value": "-" if recovery is None else
+                   f"{recovery:.3f} of {agent['first_edit_failed']}"}]
     steps = [row["step"] for row in metrics if row.get("step", 0) > 0]
     if steps:
         items.append({"label": "RL steps", "value": str(max(steps))})
