@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import ast
 import collections
-import difflib
 import hashlib
 import re
-import sys
 from typing import Any
 
 import pytest
 
 from keelrl.envs.coding_tasks import AGENT_KINDS, KINDS, bundled_tasks, generate_tasks
 from keelrl.envs.tasks import Check, Task, load_tasks, save_tasks, validate_task
-from test_coding_tasks import failing, load_function, run_visible_file
+from test_coding_tasks import assert_documented_shape, failing, load_function, run_visible_file
 
 DEFAULT_SHA256 = "8b310069cda3e028e69c5512d4ea5829f0da54de9b3343819aec39a6196682c3"
 """sha256 of the concatenated `to_json()` of `generate_tasks(0)`: 851 tasks, the fixture and 85 of
@@ -139,22 +137,7 @@ def test_every_task_is_valid_and_round_trips_through_jsonl(tmp_path):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_every_task_has_the_documented_shape(seed):
     for task in BY_SEED[seed]:
-        key = key_of(task)
-        assert 4 <= len(task.hidden_checks) <= 7, task.id
-        assert 2 <= len(task.visible_tests) <= 4 and len(task.visible_tests) < len(task.hidden_checks), task.id
-        assert all(check in task.hidden_checks for check in task.visible_tests) and key in task.visible_tests, task.id
-        assert set(task.files) == {task.entry_file, task.test_file}, task.id
-        assert task.test_file == f"test_{task.entry_file}", task.id
-        assert set(task.reference_fix) == set(task.wrong_fix) == {task.entry_file}, task.id
-        assert task.module not in sys.stdlib_module_names and not task.module.startswith(("test", "conftest")), task.id
-        assert task.entry_function in task.prompt and task.test_file in task.prompt, task.id
-        source = task.files[task.entry_file]
-        assert len(source.splitlines()) <= 16, (task.id, source)
-        assert "import" not in source and "import" not in task.reference_fix[task.entry_file], task.id
-        diff = difflib.SequenceMatcher(None, source.splitlines(), task.reference_fix[task.entry_file].splitlines())
-        edits = [op for op in diff.get_opcodes() if op[0] != "equal"]
-        assert sum(i2 - i1 for _, i1, i2, _, _ in edits) <= 2, task.id
-        assert sum(j2 - j1 for _, _, _, j1, j2 in edits) <= 4, task.id
+        assert_documented_shape(task)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

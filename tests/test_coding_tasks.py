@@ -160,27 +160,32 @@ def test_every_task_is_valid_and_round_trips_through_jsonl(tmp_path):
     assert load_tasks(path) == TASKS
 
 
+def assert_documented_shape(task: Task) -> None:
+    """The shape every generated task has (the module docstring's), the key check visible."""
+    keys = [check for check in task.hidden_checks if check.key]
+    assert len(keys) == 1, task.id
+    assert 4 <= len(task.hidden_checks) <= 7, task.id
+    assert 2 <= len(task.visible_tests) <= 4 and len(task.visible_tests) < len(task.hidden_checks), task.id
+    assert all(check in task.hidden_checks for check in task.visible_tests), task.id
+    assert keys[0] in task.visible_tests, task.id
+    assert set(task.files) == {task.entry_file, task.test_file}, task.id
+    assert task.test_file == f"test_{task.entry_file}", task.id
+    assert set(task.reference_fix) == set(task.wrong_fix) == {task.entry_file}, task.id
+    assert task.module not in sys.stdlib_module_names and not task.module.startswith(("test", "conftest")), task.id
+    assert task.entry_function in task.prompt and task.test_file in task.prompt, task.id
+    source = task.files[task.entry_file]
+    assert len(source.splitlines()) <= 16, (task.id, source)
+    assert "import" not in source and "import" not in task.reference_fix[task.entry_file], task.id
+    # a small edit: at most two lines replaced, at most four written
+    diff = difflib.SequenceMatcher(None, source.splitlines(), task.reference_fix[task.entry_file].splitlines())
+    edits = [op for op in diff.get_opcodes() if op[0] != "equal"]
+    assert sum(i2 - i1 for _, i1, i2, _, _ in edits) <= 2, task.id
+    assert sum(j2 - j1 for _, _, _, j1, j2 in edits) <= 4, task.id
+
+
 def test_every_task_has_the_documented_shape():
     for task in GENERATED:
-        keys = [check for check in task.hidden_checks if check.key]
-        assert len(keys) == 1, task.id
-        assert 4 <= len(task.hidden_checks) <= 7, task.id
-        assert 2 <= len(task.visible_tests) <= 4 and len(task.visible_tests) < len(task.hidden_checks), task.id
-        assert all(check in task.hidden_checks for check in task.visible_tests), task.id
-        assert keys[0] in task.visible_tests, task.id
-        assert set(task.files) == {task.entry_file, task.test_file}, task.id
-        assert task.test_file == f"test_{task.entry_file}", task.id
-        assert set(task.reference_fix) == set(task.wrong_fix) == {task.entry_file}, task.id
-        assert task.module not in sys.stdlib_module_names and not task.module.startswith(("test", "conftest")), task.id
-        assert task.entry_function in task.prompt and task.test_file in task.prompt, task.id
-        source = task.files[task.entry_file]
-        assert len(source.splitlines()) <= 16, (task.id, source)
-        assert "import" not in source and "import" not in task.reference_fix[task.entry_file], task.id
-        # a small edit: at most two lines replaced, at most four written
-        diff = difflib.SequenceMatcher(None, source.splitlines(), task.reference_fix[task.entry_file].splitlines())
-        edits = [op for op in diff.get_opcodes() if op[0] != "equal"]
-        assert sum(i2 - i1 for _, i1, i2, _, _ in edits) <= 2, task.id
-        assert sum(j2 - j1 for _, _, _, j1, j2 in edits) <= 4, task.id
+        assert_documented_shape(task)
 
 
 # ------------------------------------------------------------------------------ behaviour, every task

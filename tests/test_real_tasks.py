@@ -9,7 +9,6 @@ sandbox (`check_tasks`, and one `CodingEnv` episode that applies the reference f
 from __future__ import annotations
 
 import collections
-import copy
 import difflib
 import hashlib
 import importlib
@@ -19,63 +18,16 @@ import os
 import subprocess
 import sys
 import textwrap
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
 from keelrl.envs import real_tasks as real
 from keelrl.envs.real_tasks import KINDS, SOURCES, real_split, real_tasks, source_of
-from keelrl.envs.tasks import Check, Task, load_tasks, save_tasks, validate_task
+from keelrl.envs.tasks import Task, load_tasks, save_tasks, validate_task
+from test_coding_tasks import failing, load_function, passes, run_visible_file  # the trusted harness
 
 TASKS = real_tasks()
-
-
-# ------------------------------------------------------------------------------ trusted harness
-
-def load_function(source: str, name: str) -> Callable[..., Any]:
-    namespace: dict[str, Any] = {"__name__": "real_task_module"}
-    exec(compile(source, "<task>", "exec"), namespace)
-    return namespace[name]
-
-
-def same(got: Any, expected: Any) -> bool:
-    """Equal values of the same JSON type: True is not 1, 3.0 is not 3."""
-    if type(got) is not type(expected):
-        return False
-    if isinstance(expected, list):
-        return len(got) == len(expected) and all(same(g, e) for g, e in zip(got, expected))
-    if isinstance(expected, dict):
-        return got.keys() == expected.keys() and all(same(got[k], expected[k]) for k in expected)
-    return got == expected
-
-
-def passes(function: Callable[..., Any], check: Check) -> bool:
-    try:
-        got = function(*copy.deepcopy(check.args))
-    except Exception as error:  # noqa: BLE001 - a check that raises fails unless it names the error
-        return check.raises is not None and type(error).__name__ == check.raises
-    return check.raises is None and same(got, check.expected)
-
-
-def failing(task: Task, source: str, checks: list[Check]) -> set[str]:
-    function = load_function(source, task.entry_function)
-    return {check.name for check in checks if not passes(function, check)}
-
-
-def run_visible_file(task: Task, source: str) -> set[str]:
-    """Exec the rendered visible test file against `source`; the names of the checks whose test fails."""
-    header, _, body = task.files[task.test_file].partition("\n")
-    assert header == f"from {task.module} import {task.entry_function}"
-    namespace: dict[str, Any] = {task.entry_function: load_function(source, task.entry_function)}
-    exec(compile(body, task.test_file, "exec"), namespace)
-    failed = set()
-    for name, test in namespace.items():
-        if name.startswith("test_"):
-            try:
-                test()
-            except Exception:  # noqa: BLE001 - any error fails the test, as under pytest
-                failed.add(name[len("test_"):])
-    return failed
 
 
 # ------------------------------------------------------------------------------ size, kinds, determinism
