@@ -80,13 +80,9 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _load_task_source(source: str, split: str, seed: int) -> list:
-    from keelrl.envs.coding_tasks import bundled_tasks
-    from keelrl.envs.tasks import load_tasks, split_of
+    from keelrl.envs.task_sources import source_split
 
-    if source == "bundled":
-        return bundled_tasks(None if split == "all" else split, seed=seed)
-    tasks = load_tasks(source)
-    return tasks if split == "all" else [task for task in tasks if split_of(task.id, seed) == split]
+    return source_split(source, split, seed)
 
 
 def _cmd_tasks(args: argparse.Namespace) -> int:
@@ -459,7 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     tasks = sub.add_parser("tasks", help="export or validate coding tasks (JSONL, one task a line)")
     tasks.add_argument("action", choices=("export", "validate"))
-    tasks.add_argument("source", nargs="?", default="bundled", help="a tasks .jsonl file, or 'bundled'")
+    tasks.add_argument("source", nargs="?", default="bundled",
+                       help="bundled, agent, real (comma-separated, e.g. bundled,real), or a tasks .jsonl file")
     tasks.add_argument("--split", choices=("all", "train", "heldout"), default="all")
     tasks.add_argument("--seed", type=int, default=0, help="split seed")
     tasks.add_argument("--out", help="export: write here instead of stdout")
@@ -493,7 +490,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                                    "(env.rg_size)")
     audit.add_argument("--rg-seed", type=int, dest="rg_seed", help="--env reasoning_gym: generation seed "
                                                                    "(env.rg_seed)")
-    audit.add_argument("--tasks", default="bundled", help="a tasks .jsonl file, or 'bundled'")
+    audit.add_argument("--tasks", default="bundled",
+                       help="bundled, agent, real (comma-separated, e.g. bundled,real), or a tasks .jsonl file")
     audit.add_argument("--verifier", choices=list(VERIFIERS), default="strong", help="the verifier to audit")
     audit.add_argument("--format", choices=("table", "json"), default="table")
     audit.add_argument("--limit", type=int, help="audit only the first N tasks (default: all)")

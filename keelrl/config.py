@@ -87,7 +87,11 @@ class EnvConfig:
     (the number-guessing game: fast, for credit-assignment experiments) or reasoning_gym (a
     reasoning-gym dataset, `dataset`, scored by its own score_answer)."""
     tasks: str = "bundled"
-    """Coding: 'bundled' or a tasks .jsonl file (split into train/heldout by `split_seed`)."""
+    """Coding: where the tasks come from: bundled (the templated kinds), agent (the agent kinds,
+    where the failing test says what to change), real (standard-library functions with one
+    mutation), comma-separated to combine (bundled,agent,real), or a tasks .jsonl file; split
+    into train/heldout by `split_seed` (real: whole functions held out). The held-out report
+    gives each family its own figures (keelrl.envs.task_sources)."""
     guess_n: int = 16
     """Guess: secrets are drawn from 1..guess_n."""
     guess_tasks: int = 2000

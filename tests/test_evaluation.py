@@ -99,3 +99,28 @@ def test_agent_report_without_a_failed_first_edit_has_no_recovery_rate():
 
     report = agent_report([_episode([EDIT, PASS, SUBMIT], True)])
     assert math.isnan(report["recovery_rate"]) and report["first_edit_failed"] == 0
+
+
+def test_report_and_lift_by_family_by_hand():
+    from keelrl.train.outputs import lift_summary
+
+    ids = ["t1", "t2", "t3", "r1", "r2"]
+    before = heldout_report([_trajectory(i, s, 0.0) for i, s in zip(ids, [True, False, False, False, False])],
+                            ["k"] * 5, ["templated"] * 3 + ["real"] * 2)
+    after = heldout_report([_trajectory(i, s, 0.0) for i, s in zip(ids, [True, True, False, True, True])],
+                           ["k"] * 5, ["templated"] * 3 + ["real"] * 2)
+    assert before["by_family"]["templated"]["success"] == pytest.approx(1 / 3)
+    assert before["by_family"]["real"]["tasks"] == 2 and before["by_family"]["real"]["success"] == 0
+    assert after["by_family"]["real"]["task_success"] == {"r1": True, "r2": True}
+    summary = lift_summary({"warm_start": before, "final": after})
+    # templated: differences 0, 1, 0 (mean 1/3, sd sqrt(1/3), se 1/3); real: 1, 1 (mean 1, se 0); all: 3/5
+    assert summary["rl_lift"]["success"] == pytest.approx(0.6)
+    assert summary["rl_lift"]["by_family"]["templated"]["success"] == pytest.approx(1 / 3)
+    assert summary["rl_lift"]["by_family"]["templated"]["success_se"] == pytest.approx(1 / 3)
+    assert summary["rl_lift"]["by_family"]["real"] == {"success": 1.0, "success_se": 0.0}
+    assert summary["heldout_final"]["by_family"]["real"]["success"] == 1.0
+    assert "task_success" not in summary["heldout_final"]["by_family"]["real"]
+    one = heldout_report([_trajectory("t1", True, 0.0)] * 2, ["k"] * 2, ["templated"] * 2)
+    assert "by_family" not in lift_summary({"warm_start": one, "final": one})["rl_lift"]
+    with pytest.raises(ValueError, match="1 families for 5 trajectories"):
+        heldout_report([_trajectory(i, True, 0.0) for i in ids], ["k"] * 5, ["real"])

@@ -6,7 +6,8 @@ under the Python Software Foundation License, version 2; `SOURCES` records modul
 licence for each). A task's file holds the function's original text (comments and docstring
 included), the few module-level names it needs copied in verbatim (`Source.helpers`), a line of
 provenance and the imports it needs. The bug is one change to the function, made on its syntax
-tree and written back into the original text by replacing only the changed token or line:
+tree and written back into the original text by replacing only the changed token or line (a
+task's kind is the mutation's name with `KIND_PREFIX`, "real_off_by_one"):
 
     off_by_one          `<` for `<=` (and back), an integer bound, index or step moved by 1
     flipped_comparison  `<` for `>`, `<=` for `>=`, `min` for `max`
@@ -68,6 +69,9 @@ from keelrl.envs.tasks import Check, Task, render_test_file, split_of
 from keelrl.envs.verifiers import _matches
 
 KINDS = ("off_by_one", "flipped_comparison", "inverted_condition", "wrong_operator", "missing_guard")
+KIND_PREFIX = "real_"
+"""A task's kind is its mutation's name with this prefix ("real_off_by_one"), so held-out reports
+and the curriculum keep this family's kinds apart from the templated kinds of the same name."""
 TASKS_PER_SOURCE = 4
 """At most this many mutants of one function become tasks (chosen by the seed, kinds taken in turn)."""
 STEP_BUDGET = 20_000
@@ -1099,7 +1103,7 @@ def _task(prepared: _Prepared, bug: _Evaluated, task_id: str, rng: random.Random
               f"The visible tests are in {test_file}.")
     assert bug.variant.kind is not None
     return Task(
-        id=task_id, kind=bug.variant.kind, prompt=prompt,
+        id=task_id, kind=KIND_PREFIX + bug.variant.kind, prompt=prompt,
         files={entry_file: buggy, test_file: render_test_file(module, source.function, visible)},
         entry_file=entry_file, entry_function=source.function, test_file=test_file,
         visible_tests=visible, hidden_checks=hidden, reference_fix={entry_file: fixed},

@@ -76,6 +76,9 @@ class EnvSpec:
     default under another env.name, such a field is an error, not silently ignored."""
     title: str = ""
     """How error messages name it ("the guessing game"); default: "env.name=NAME"."""
+    family: Callable[[Any], str] | None = None
+    """task -> the name of its family (coding: templated, agent or real); the held-out report
+    gives each family its own figures and RL's lift on it. None: one family."""
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -174,25 +177,30 @@ def coding_hidden_paths(cfg: KeelConfig) -> list[str]:
     started in, the run directory (checkpoints, solved transcripts) and the task file."""
     from pathlib import Path
 
+    from keelrl.envs.task_sources import is_file_source
     from keelrl.sandbox import default_hidden_paths
 
     paths = [*default_hidden_paths(), Path(cfg.run_dir).resolve()]
-    if cfg.env.tasks != "bundled":
+    if is_file_source(cfg.env.tasks):
         paths.append(Path(cfg.env.tasks).resolve())
     return [str(path) for path in paths]
 
 
 def _coding_tasks(cfg: KeelConfig) -> tuple[list[Any], list[Any]]:
-    from keelrl.envs.coding_tasks import bundled_tasks
-    from keelrl.envs.tasks import load_tasks
-
+    from keelrl.envs.task_sources import load_source, task_split
     from keelrl.envs.tasks import TaskError
 
     try:
-        tasks = bundled_tasks(None, seed=cfg.env.split_seed) if cfg.env.tasks == "bundled" else load_tasks(cfg.env.tasks)
+        tasks = load_source(cfg.env.tasks, seed=cfg.env.split_seed)
     except (TaskError, OSError) as error:  # a missing or malformed file: one line from `keel train`, no traceback
         raise ConfigError("env.tasks", str(error)) from None
-    return split_tasks(tasks, cfg.env.split_seed, f"env.tasks {cfg.env.tasks!r}")
+    split = [task_split(task, cfg.env.split_seed) for task in tasks]
+    train = [task for task, where in zip(tasks, split) if where == "train"]
+    heldout = [task for task, where in zip(tasks, split) if where == "heldout"]
+    if not train or not heldout:
+        raise ConfigError("env.tasks", f"env.tasks {cfg.env.tasks!r} gives {len(train)} train and {len(heldout)} "
+                                       f"held-out tasks; both must be non-empty")
+    return train, heldout
 
 
 def _coding_env(cfg: KeelConfig, training: bool) -> EnvFactory:
@@ -213,6 +221,12 @@ def _coding_teacher(cfg: KeelConfig) -> DemoTeacher:
 
     return ScriptedTeacher(success_rate=1.0, mistake_rate=cfg.warm_start.mistake_rate, seed=cfg.seed,
                            read_first=not cfg.env.show_file)
+
+
+def _coding_family(task: Any) -> str:
+    from keelrl.envs.task_sources import family_of
+
+    return family_of(task)
 
 
 def _coding_verifiers() -> tuple[str, ...]:
@@ -278,7 +292,8 @@ def _register_builtins() -> None:
 
     register_env(EnvSpec(name="coding", tasks=_coding_tasks, train_env=lambda cfg: _coding_env(cfg, True),
                          eval_env=lambda cfg: _coding_env(cfg, False), teacher=_coding_teacher,
-                         answer_tools=PATCH_TOOLS, verifiers=_coding_verifiers(), title="the coding environment",
+                         answer_tools=PATCH_TOOLS, verifiers=_coding_verifiers(), family=_coding_family,
+                         title="the coding environment",
                          fields=("tasks", "key_check_weight", "shaping", "malformed_cost")))
     register_env(EnvSpec(name="guess", tasks=_guess_tasks, train_env=lambda cfg: _guess_env(cfg, True),
                          eval_env=lambda cfg: _guess_env(cfg, False), teacher=_guess_teacher,

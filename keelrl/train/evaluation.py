@@ -47,10 +47,14 @@ def finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def heldout_report(trajectories: Sequence[Trajectory], kinds: Sequence[str]) -> dict[str, Any]:
-    """Success and partial credit (mean, se) overall and per kind; `kinds[i]` is trajectory i's kind."""
+def heldout_report(trajectories: Sequence[Trajectory], kinds: Sequence[str],
+                   families: Sequence[str] | None = None) -> dict[str, Any]:
+    """Success and partial credit (mean, se) overall, per kind and, given `families`, per family
+    (`by_family`, each with its own `task_success`); `kinds[i]` and `families[i]` are trajectory i's."""
     if len(kinds) != len(trajectories):
         raise ValueError(f"{len(kinds)} kinds for {len(trajectories)} trajectories")
+    if families is not None and len(families) != len(trajectories):
+        raise ValueError(f"{len(families)} families for {len(trajectories)} trajectories")
 
     def block(rows: Sequence[Trajectory]) -> dict[str, float | None]:
         # An episode whose environment failed (ungraded, reward NaN) counts as a failed task with
@@ -67,6 +71,12 @@ def heldout_report(trajectories: Sequence[Trajectory], kinds: Sequence[str]) -> 
     report: dict[str, Any] = block(trajectories)
     report["by_kind"] = {kind: block(rows) for kind, rows in sorted(by_kind.items())}
     report["task_success"] = {t.task_id: bool(t.success) for t in trajectories}
+    if families is not None:
+        by_family: dict[str, list[Trajectory]] = defaultdict(list)
+        for trajectory, family in zip(trajectories, families):
+            by_family[family].append(trajectory)
+        report["by_family"] = {family: {**block(rows), "task_success": {t.task_id: bool(t.success) for t in rows}}
+                               for family, rows in sorted(by_family.items())}
     return report
 
 
@@ -146,9 +156,9 @@ class Evaluator:
 
     def __init__(self, cfg: KeelConfig, model: Any, tokenizer: Any, device: torch.device, make_env: Callable[[], Any],
                  rollout: EpisodeLimits, prm: ProcessRewardModel | None, autocast: Callable[[], Any],
-                 edit_tools: Sequence[str] = ("replace", "edit")) -> None:
+                 edit_tools: Sequence[str] = ("replace", "edit"), family: Callable[[Any], str] | None = None) -> None:
         self.cfg, self.model, self.tokenizer, self.device = cfg, model, tokenizer, device
-        self.edit_tools = tuple(edit_tools)
+        self.edit_tools, self.family = tuple(edit_tools), family
         self.make_env, self.rollout, self.prm, self.autocast = make_env, rollout, prm, autocast
         self._copy: Any = None
         self.last_report: dict[str, Any] | None = None
@@ -177,12 +187,16 @@ class Evaluator:
         trajectories = run_episodes(self.make_env, tasks, self.tokenizer,
                                     model_actor(self.eval_model(), self.tokenizer, sampling),
                                     self.rollout, seed=self.cfg.seed + 7919)
-        report = heldout_report(trajectories, [getattr(task, "kind", "all") for task in tasks])
+        report = heldout_report(trajectories, [getattr(task, "kind", "all") for task in tasks],
+                                None if self.family is None else [self.family(task) for task in tasks])
         agent = agent_report(trajectories, self.edit_tools)
         report["agent"] = {**agent, "recovery_rate": finite_or_none(agent["recovery_rate"])}
         self.last_report = report
+        by_family = report.get("by_family", {})
         return {"eval/success": report["success"], "eval/success_se": report["success_se"],
                 "eval/partial": report["partial"], "eval/partial_se": report["partial_se"],
+                **({f"eval/success_{family}": block["success"] for family, block in by_family.items()}
+                   if len(by_family) > 1 else {}),
                 **agent_metrics(agent, "eval/"),
                 "eval/tasks": len(trajectories), **self.heldout_prm(trajectories)}
 

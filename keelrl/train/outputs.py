@@ -82,16 +82,28 @@ def episode_metrics(trajectories: Sequence[Trajectory], tokens: int, answer_tool
 
 def lift_summary(heldout: dict[str, Any]) -> dict[str, Any]:
     """Held-out strict success and partial credit (with standard errors) at base, after the warm
-    start and at the end of RL, and RL's own lift (final - warm start) with its paired error."""
+    start and at the end of RL, and RL's own lift (final - warm start) with its paired error;
+    with more than one task family, each family's figures and lift too (`by_family`)."""
+    figures = ("tasks", "success", "success_se", "partial", "partial_se")
     out: dict[str, Any] = {}
     for stage in ("base", "warm_start", "final"):
         report = heldout.get(stage)
         if report:
-            out[f"heldout_{stage}"] = {key: report[key] for key in ("tasks", "success", "success_se",
-                                                                    "partial", "partial_se", "agent") if key in report}
+            out[f"heldout_{stage}"] = {key: report[key] for key in (*figures, "agent") if key in report}
+            if len(report.get("by_family", {})) > 1:
+                out[f"heldout_{stage}"]["by_family"] = {family: {key: block[key] for key in figures}
+                                                        for family, block in report["by_family"].items()}
     if heldout.get("warm_start") and heldout.get("final"):
-        lift, lift_se = paired_difference(heldout["warm_start"]["task_success"], heldout["final"]["task_success"])
+        before, after = heldout["warm_start"], heldout["final"]
+        lift, lift_se = paired_difference(before["task_success"], after["task_success"])
         out["rl_lift"] = {"success": lift, "success_se": finite_or_none(lift_se)}
+        families = sorted(set(before.get("by_family", {})) & set(after.get("by_family", {})))
+        if len(families) > 1:
+            out["rl_lift"]["by_family"] = {}
+            for family in families:
+                lift, lift_se = paired_difference(before["by_family"][family]["task_success"],
+                                                  after["by_family"][family]["task_success"])
+                out["rl_lift"]["by_family"][family] = {"success": lift, "success_se": finite_or_none(lift_se)}
     return out
 
 

@@ -174,7 +174,8 @@ class Trainer:
         # factory builds its sandbox and verifier once, on first use).
         self._local_envs = {True: self.env_spec.train_env(cfg), False: self.env_spec.eval_env(cfg)}
         self.evaluator = Evaluator(cfg, self.model, self.tokenizer, self.device, self._local_envs[False],
-                                   self._limits(), self.prm, self.learner.autocast, self._answer_tools)
+                                   self._limits(), self.prm, self.learner.autocast, self._answer_tools,
+                                   family=self.env_spec.family)
         self.outputs = RunOutputs(cfg, self.run_dir, self.tokenizer,
                                   {task.id: getattr(task, "kind", "") for task in self.train_tasks}, self.progress)
         self.step = 0
