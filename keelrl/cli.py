@@ -146,7 +146,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                 return
             if not console.is_terminal:  # logs get one plain line per event
                 shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in info.items()
-                         if k in ("phase", "step", "epoch", "loss", "demos", "train/reward", "train/success",
+                         if k in ("phase", "step", "epoch", "loss", "demos", "masked_turns", "train/reward", "train/success",
                                   "eval/success", "eval/partial", "time/step_s", "memory/peak_rss_gb")}
                 console.print(f"[{time.monotonic() - started:7.1f}s {event}] {shown}", highlight=False)
             if event == "step":

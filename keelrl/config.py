@@ -32,7 +32,7 @@ T = TypeVar("T")
 
 TINY_RUN: tuple[str, ...] = (
     "model.path=tiny", "env.show_file=false", "env.max_turns=6", "env.partial_credit=true", "warm_start.demos=448",
-    "warm_start.mistake_rate=0.3", "warm_start.epochs=6", "warm_start.lr=2e-3", "warm_start.batch_size=16",
+    "warm_start.mistake_rate=0.3", "warm_start.imitate_mistakes=true", "warm_start.epochs=6", "warm_start.lr=2e-3", "warm_start.batch_size=16",
     "rollout.tasks_per_step=8", "rollout.group_size=4", "rollout.max_new_tokens=80",
     "rollout.max_context_tokens=2048", "rollout.engine=async", "train.steps=10", "optim.lr=2e-4",
     "optim.warmup_steps=2", "train.minibatch_size=16", "eval.every=5", "eval.tasks=150",
@@ -380,6 +380,11 @@ class WarmStartConfig:
     """Teacher trajectories on training tasks, cycling through them (0 = no warm start)."""
     mistake_rate: float = 0.0
     """Share of demos that make the plausible mistake and recover, like the lecture's trajectory."""
+    imitate_mistakes: bool = False
+    """Train on the demos' mistaken actions too. Off: the turns a teacher marks as its mistake
+    (the coding teacher's wrong edit, the guessing teacher's random guesses) are left out of the
+    loss but kept in the context, so the student learns to recover from a mistake without
+    learning to make it."""
     epochs: int = 1
     """Passes over the demos."""
     lr: float = 3e-5

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from keelrl.components import check
 from keelrl.config import TINY_RUN, load_config
-from keelrl.envs.base import CheckResult, run_episode
+from keelrl.envs.base import CheckResult, Turn, run_episode
 from keelrl.errors import ConfigError
 from keelrl.envs.coding import CodingEnv
 from keelrl.envs.guess import GuessEnv, GuessTask, guess_tasks
@@ -53,6 +53,48 @@ def test_each_kind_of_plan_follows_the_lectures_script():
         (True, False): [READ, TO_FIXED, TEST, SUBMIT],
         (False, True): [READ, TO_WRONG, TEST, SUBMIT],
     }
+
+
+def test_a_plan_names_the_turns_of_its_mistake():
+    teacher, task = ScriptedTeacher(success_rate=0.5, mistake_rate=0.5, seed=0), retry_task()
+    marked = {(plan.succeed, plan.mistake): plan.mistake_turns for plan in (teacher.plan(task) for _ in range(40))}
+    assert marked == {(True, True): {1}, (True, False): set(), (False, True): {1}}  # the TO_WRONG edit
+    shown = ScriptedTeacher(success_rate=1.0, mistake_rate=1.0, seed=0, read_first=False).policy(task)
+    assert shown.plan.actions[0] == TO_WRONG and shown.mistake_turns == {0}
+
+
+def test_the_guessing_teacher_marks_its_random_guesses_and_not_the_midpoints():
+    from keelrl.envs.guess import BinarySearchTeacher, interval_after
+
+    task = GuessTask("g", 11, 16)
+    for seed in range(20):
+        policy, turns, expected, env = BinarySearchTeacher(mistake_rate=0.5, seed=seed).policy(task), [], set(), GuessEnv(5)
+        env.reset(task)
+        for turn in range(5):
+            low, high = interval_after(16, [(int(t.action[12:-7]), t.observation) for t in turns])
+            action = policy("", turns)
+            if int(action[12:-7]) != (low + high) // 2:
+                expected.add(turn)
+            observation, done, _ = env.step(action)
+            turns.append(Turn(action, observation))
+            if done:
+                break
+        assert policy.mistake_turns == expected
+    assert BinarySearchTeacher(mistake_rate=0.0).policy(task)("", []) == "<call>guess 8</call>"
+
+
+def test_the_warm_start_keeps_a_masked_mistake_in_context_but_out_of_the_loss():
+    from keelrl.rollout.trajectory import Trajectory, collate
+    from keelrl.train.warm_start import mask_turns
+
+    trajectory = Trajectory(task_id="t", group_id=0, token_ids=list(range(12)), prompt_length=2,
+                            action_mask=[False, False, True, True, False, True, True, True, False, True, False, False],
+                            turn_ids=[0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2], actions=["a", "b", "c"],
+                            behaviour_logprobs=[0.0] * 12)
+    assert mask_turns(trajectory, {1, 7}) == 1  # turn 7 does not exist
+    assert trajectory.action_mask == [False, False, True, True, False, False, False, False, False, True, False, False]
+    batch = collate([trajectory], 0)
+    assert batch.input_ids[0].tolist() == list(range(12)) and int(batch.action_mask.sum()) == 3
 
 
 def test_without_a_wrong_fix_a_failing_plan_tests_the_buggy_code_and_submits():

@@ -130,7 +130,9 @@ class BinarySearchTeacher:
     """A scripted guesser: the midpoint of what is still possible, with optional mistakes.
 
     With probability `mistake_rate` per turn it guesses a uniformly random number that is still
-    possible instead of the midpoint, so its demonstrations (and episodes) vary in quality.
+    possible instead of the midpoint, so its demonstrations (and episodes) vary in quality. Each
+    policy records the turns whose guess was such a random one, other than the midpoint, in its
+    `mistake_turns` (the warm start may leave them out of its loss).
     """
 
     def __init__(self, mistake_rate: float = 0.0, seed: int = 0) -> None:
@@ -142,6 +144,7 @@ class BinarySearchTeacher:
     def policy(self, task: GuessTask) -> "Callable[[str, Sequence[Any]], str]":
         """A `Policy` callable for one episode of `task`."""
         rng = random.Random(self.rng.random())
+        mistake_turns: set[int] = set()
 
         def act(prompt: str, turns: Sequence[Any]) -> str:
             history = [(int(t.action.removeprefix("<call>guess ").removesuffix("</call>")), t.observation)
@@ -149,8 +152,11 @@ class BinarySearchTeacher:
             low, high = interval_after(task.n, history)
             low, high = min(low, high), max(low, high)
             guess = rng.randint(low, high) if rng.random() < self.mistake_rate else (low + high) // 2
+            if guess != (low + high) // 2:
+                mistake_turns.add(len(turns))
             return f"<call>guess {guess}</call>"
 
+        act.mistake_turns = mistake_turns  # type: ignore[attr-defined]
         return act
 
 

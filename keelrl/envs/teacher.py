@@ -10,7 +10,9 @@ For each episode it draws, from its own seeded RNG, whether it will succeed (pro
     failure:             read -> wrong fix (or nothing, if the task has none) -> test -> submit
 
 Without `read_first` (the prompt shows the file) the opening read is left out, so the
-first action is already the fix (or the mistake).
+first action is already the fix (or the mistake). A policy names the turns of its mistake
+(`mistake_turns`): the warm start leaves them out of its loss unless
+`warm_start.imitate_mistakes` is set, so the student learns the recovery, not the error.
 
 Edits are computed from the difference between the current file and the target file: one
 `replace` when a single line changes, otherwise one `edit` of the changed block. The teacher
@@ -67,6 +69,9 @@ class TeacherPlan:
     succeed: bool
     mistake: bool
     actions: list[str]
+    mistake_turns: frozenset[int] = frozenset()
+    """Indices into `actions` of the plausible mistake's edits (a warm start may leave them out of
+    its loss, so the student learns the recovery without learning to err)."""
 
 
 class ScriptedTeacher:
@@ -90,6 +95,7 @@ class ScriptedTeacher:
         mistake = has_mistake and (not succeed or self.rng.random() < self.mistake_rate)
         files = dict(task.files)
         actions = ["<call>read</call>"] if self.read_first else []
+        mistake_turns: frozenset[int] = frozenset()
 
         def move_to(target_files: dict[str, str]) -> None:
             for path in sorted(target_files):
@@ -99,7 +105,9 @@ class ScriptedTeacher:
                     files[path] = target_files[path]
 
         if mistake:
+            first = len(actions)
             move_to(task.wrong_fix)
+            mistake_turns = frozenset(range(first, len(actions)))
             actions.append("<call>test</call>")
         if succeed:
             move_to(task.reference_fix)
@@ -107,7 +115,7 @@ class ScriptedTeacher:
         elif not mistake:
             actions.append("<call>test</call>")
         actions.append("<call>submit</call>")
-        return TeacherPlan(succeed=succeed, mistake=mistake, actions=actions)
+        return TeacherPlan(succeed=succeed, mistake=mistake, actions=actions, mistake_turns=mistake_turns)
 
     def policy(self, task: Task) -> "ScriptedPolicy":
         """A `Policy` callable for one episode of `task`."""
@@ -119,6 +127,11 @@ class ScriptedPolicy:
 
     def __init__(self, plan: TeacherPlan) -> None:
         self.plan = plan
+
+    @property
+    def mistake_turns(self) -> frozenset[int]:
+        """The turns whose action is the plan's plausible mistake (`TeacherPlan.mistake_turns`)."""
+        return self.plan.mistake_turns
 
     def __call__(self, prompt: str, turns: Sequence[Turn]) -> str:
         index = len(turns)

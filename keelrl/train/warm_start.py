@@ -1,7 +1,9 @@
 """The warm start: supervised fine-tuning on the scripted teacher's successful demonstrations.
 
 `warm_start.demos` training tasks (cycled, shuffled by the seed) are played by the
-environment's scripted teacher; the episodes it solves are the demonstrations. The policy then
+environment's scripted teacher; the episodes it solves are the demonstrations. The turns a
+teacher's policy marks as its mistakes (`mistake_turns`) are left out of the loss, kept in
+the context, unless `warm_start.imitate_mistakes`. The policy then
 takes `warm_start.epochs` passes over them in batches of `warm_start.batch_size`, each one
 update of the token-mean negative log-likelihood of the action tokens, run in the learner's
 micro-batches (`Learner.sft_update`), with its own AdamW at `warm_start.lr`.
@@ -11,13 +13,13 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 
 from keelrl.config import KeelConfig
 from keelrl.envs.registry import EnvSpec
 from keelrl.rollout.agent_loop import EpisodeLimits, run_episodes, scripted_actor
-from keelrl.rollout.trajectory import collate
+from keelrl.rollout.trajectory import Trajectory, collate
 from keelrl.train.learner import Learner, adamw
 
 
@@ -37,11 +39,15 @@ def warm_start(cfg: KeelConfig, env_spec: EnvSpec, train_tasks: Sequence[Any], m
     rng.shuffle(tasks)
     policies = [teacher.policy(task) for task in tasks]
     demos = run_episodes(make_env, tasks, tokenizer, scripted_actor(tokenizer, policies), rollout)
+    masked = 0
+    if not ws.imitate_mistakes:
+        for demo, policy in zip(demos, policies):
+            masked += mask_turns(demo, getattr(policy, "mistake_turns", ()))
     demos = [d for d in demos if d.success]
     if not demos:
         raise RuntimeError(f"warm start: none of the teacher's {ws.demos} demonstrations succeeded "
                            f"(env.max_turns={cfg.env.max_turns} may be too few for the task)")
-    progress("warm_start", {"demos": len(demos)})
+    progress("warm_start", {"demos": len(demos), "masked_turns": masked})
     optimizer = adamw(list(learner.model.parameters()), lr=ws.lr, weight_decay=0.01)  # torch's AdamW default
     learner.model.train()
     losses = []
@@ -51,4 +57,13 @@ def warm_start(cfg: KeelConfig, env_spec: EnvSpec, train_tasks: Sequence[Any], m
             batch = collate(demos[start:start + ws.batch_size], tokenizer.pad_token_id).to(learner.device)
             losses.append(learner.sft_update(batch, optimizer))
         progress("warm_start_epoch", {"epoch": epoch + 1, "loss": losses[-1]})
-    return {"warm_start/demos": len(demos), "warm_start/final_loss": losses[-1] if losses else math.nan}
+    return {"warm_start/demos": len(demos), "warm_start/final_loss": losses[-1] if losses else math.nan,
+            "warm_start/masked_turns": masked}
+
+
+def mask_turns(trajectory: Trajectory, turns: Iterable[int]) -> int:
+    """Leave the action tokens of `turns` (0-based turn indices) out of `trajectory`'s action mask,
+    in place: they stay in the context but are not learned. Returns how many turns it masked."""
+    turns = {turn for turn in turns if 0 <= turn < len(trajectory.actions)}
+    trajectory.action_mask = [bool(m) and t not in turns for m, t in zip(trajectory.action_mask, trajectory.turn_ids)]
+    return len(turns)
