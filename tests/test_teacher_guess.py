@@ -398,3 +398,25 @@ def test_trainer_trains_on_the_weak_guess_verifier_and_evaluates_with_strong(tmp
     train_env, eval_env = trainer.train_env_factory()(), trainer._env(training=False)()
     assert (train_env.verifier, eval_env.verifier) == ("weak", "strong")
     assert trainer._env(training=True)().verifier == "weak"
+
+
+def test_a_warm_start_leaves_each_demonstrations_mistake_out_of_its_loss(tiny_model_dir, tmp_path, monkeypatch):
+    from keelrl.train.learner import Learner
+    from keelrl.train.trainer import Trainer
+
+    learned = []
+    real = Learner.sft_update
+    monkeypatch.setattr(Learner, "sft_update", lambda self, batch, opt: learned.append(int(batch.action_mask.sum()))
+                        or real(self, batch, opt))
+    metrics = {}
+    for imitate in (True, False):
+        learned.clear()
+        cfg = load_config(overrides=[*TINY_RUN, f"model.path={tiny_model_dir}", f"run_dir={tmp_path / str(imitate)}",
+                                     "warm_start.demos=6", "warm_start.epochs=1", "warm_start.batch_size=6",
+                                     "warm_start.mistake_rate=1.0", f"warm_start.imitate_mistakes={imitate}"])
+        metrics[imitate] = (Trainer(cfg).warm_start(), sum(learned))
+    (imitating, all_tokens), (masking, fewer_tokens) = metrics[True], metrics[False]
+    assert imitating["warm_start/demos"] == masking["warm_start/demos"] == 6  # the same demonstrations
+    assert "warm_start/masked_turns" not in imitating
+    assert masking["warm_start/masked_turns"] == 6  # one wrong edit each (every bundled task has a wrong fix)
+    assert 0 < fewer_tokens < all_tokens

@@ -39,15 +39,14 @@ def warm_start(cfg: KeelConfig, env_spec: EnvSpec, train_tasks: Sequence[Any], m
     rng.shuffle(tasks)
     policies = [teacher.policy(task) for task in tasks]
     demos = run_episodes(make_env, tasks, tokenizer, scripted_actor(tokenizer, policies), rollout)
-    masked = 0
-    if not ws.imitate_mistakes:
-        for demo, policy in zip(demos, policies):
-            masked += mask_turns(demo, getattr(policy, "mistake_turns", ()))
-    demos = [d for d in demos if d.success]
+    solved = [(demo, policy) for demo, policy in zip(demos, policies) if demo.success]
+    masked = 0 if ws.imitate_mistakes else sum(mask_turns(demo, getattr(policy, "mistake_turns", ()))
+                                               for demo, policy in solved)
+    demos = [demo for demo, _ in solved]
     if not demos:
         raise RuntimeError(f"warm start: none of the teacher's {ws.demos} demonstrations succeeded "
                            f"(env.max_turns={cfg.env.max_turns} may be too few for the task)")
-    progress("warm_start", {"demos": len(demos), "masked_turns": masked})
+    progress("warm_start", {"demos": len(demos), **({} if ws.imitate_mistakes else {"masked_turns": masked})})
     optimizer = adamw(list(learner.model.parameters()), lr=ws.lr, weight_decay=0.01)  # torch's AdamW default
     learner.model.train()
     losses = []
@@ -57,8 +56,8 @@ def warm_start(cfg: KeelConfig, env_spec: EnvSpec, train_tasks: Sequence[Any], m
             batch = collate(demos[start:start + ws.batch_size], tokenizer.pad_token_id).to(learner.device)
             losses.append(learner.sft_update(batch, optimizer))
         progress("warm_start_epoch", {"epoch": epoch + 1, "loss": losses[-1]})
-    return {"warm_start/demos": len(demos), "warm_start/final_loss": losses[-1] if losses else math.nan,
-            "warm_start/masked_turns": masked}
+    out = {"warm_start/demos": len(demos), "warm_start/final_loss": losses[-1] if losses else math.nan}
+    return out if ws.imitate_mistakes else {**out, "warm_start/masked_turns": masked}
 
 
 def mask_turns(trajectory: Trajectory, turns: Iterable[int]) -> int:
