@@ -11,6 +11,7 @@ import collections
 import copy
 import difflib
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -152,12 +153,16 @@ def test_splits_are_disjoint_deterministic_and_large_enough():
 
 # ------------------------------------------------------------------------------ schema and shape
 
-def test_every_task_is_valid_and_round_trips_through_jsonl(tmp_path):
-    for task in TASKS:
+def assert_valid_and_round_trips(tasks: list[Task], path: Path) -> None:
+    """Every task passes `validate_task`, and the list survives `save_tasks` then `load_tasks` at `path`."""
+    for task in tasks:
         validate_task(task)
-    path = tmp_path / "tasks.jsonl"
-    assert save_tasks(TASKS, path) == len(TASKS)
-    assert load_tasks(path) == TASKS
+    assert save_tasks(tasks, path) == len(tasks)
+    assert load_tasks(path) == tasks
+
+
+def test_every_task_is_valid_and_round_trips_through_jsonl(tmp_path):
+    assert_valid_and_round_trips(TASKS, tmp_path / "tasks.jsonl")
 
 
 def assert_documented_shape(task: Task) -> None:

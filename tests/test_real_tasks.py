@@ -24,8 +24,8 @@ import pytest
 
 from keelrl.envs import real_tasks as real
 from keelrl.envs.real_tasks import KINDS, SOURCES, real_split, real_tasks, source_of
-from keelrl.envs.tasks import Task, load_tasks, save_tasks, validate_task
-from test_coding_tasks import failing, load_function, passes, run_visible_file  # the trusted harness
+from keelrl.envs.tasks import Task
+from test_coding_tasks import assert_valid_and_round_trips, failing, load_function, passes, run_visible_file  # the trusted harness
 
 TASKS = real_tasks()
 
@@ -89,11 +89,7 @@ def test_the_split_holds_out_whole_functions():
 # ------------------------------------------------------------------------------ schema, shape, provenance
 
 def test_every_task_is_valid_and_round_trips_through_jsonl(tmp_path):
-    for task in TASKS:
-        validate_task(task)
-    path = tmp_path / "real.jsonl"
-    assert save_tasks(TASKS, path) == len(TASKS)
-    assert load_tasks(path) == TASKS
+    assert_valid_and_round_trips(TASKS, tmp_path / "real.jsonl")
 
 
 def test_every_task_has_the_documented_shape():
