@@ -38,6 +38,7 @@ TINY_RUN: tuple[str, ...] = (
     "optim.warmup_steps=2", "train.minibatch_size=16", "eval.every=5", "eval.tasks=150",
     "eval.base=false", "perf.learner_precision=float32", "rollout.temperature=1.0",
     "perf.micro_batch_tokens=4096", "eval.dtype=float32",
+    "algo.preset=grpo", "env.shaping=0",
 )
 """The built-in tiny model's recipe (the default run before SmolLM2 became it): a random byte
 model that learns the multi-turn tool format from many demos at a high learning rate. The labs
@@ -117,14 +118,16 @@ class EnvConfig:
     key_check_weight: float = 1.0
     """Partial credit: the key check counts this many times (each check's own task weight,
     1 by default, applies too)."""
-    max_turns: int = 1
-    """Turns per episode (the default run: one edit with the file shown, then grading)."""
+    max_turns: int = 5
+    """Turns per episode. The default run's five fit the teacher's mistake-and-recover path (wrong
+    edit, test, real fix, test, submit); configs/one_turn.yaml is one edit with the file shown,
+    then grading."""
     show_tools: bool = False
     """Describe the tools in every prompt (long); the warm start teaches the format either way."""
     show_file: bool = True
     """Coding: the first observation shows the file to fix (as `read` would), so the first action
     can already be the fix; with max_turns=1 an episode is one edit, then grading."""
-    shaping: float = 0.0
+    shaping: float = 1.0
     """Coding: per-turn rewards by potential-based shaping (Ng, Harada and Russell 1999), the
     potential being shaping x the share of visible tests passed: an edit earns the change it
     made, the last turn -the potential it leaves, so an episode's shaping sums to a constant per
@@ -166,7 +169,7 @@ class RolloutSettings:
     """Nucleus sampling threshold."""
     max_new_tokens: int = 72
     """Tokens per action."""
-    max_context_tokens: int = 1024
+    max_context_tokens: int = 2048
     """An episode ends when its context would grow past this."""
     env_threads: int = 4
     """Threads stepping environments (tool calls and gradings run in the sandbox)."""
@@ -236,12 +239,13 @@ class RolloutSettings:
 class TrainConfig:
     """The RL loop: how many steps, and how each step's rollouts are cut into updates."""
 
-    steps: int = 10
+    steps: int = 8
     """RL steps (each: rollouts, then updates)."""
     epochs: int = 1
     """Passes over each batch of rollouts."""
-    minibatch_size: int = 32
-    """Trajectories per optimiser step."""
+    minibatch_size: int = 16
+    """Trajectories per optimiser step. Below the step's batch (tasks_per_step x group_size), a
+    step makes several optimiser steps, so importance ratios leave 1 and the clip rule acts."""
 
     def __post_init__(self) -> None:
         _positive(epochs=self.epochs, minibatch_size=self.minibatch_size)
@@ -278,7 +282,7 @@ class EvalConfig:
     tasks: int = 1000
     """Held-out tasks in each evaluation (never trained on; all of them when there are fewer:
     209 bundled)."""
-    base: bool = True
+    base: bool = False
     """Also evaluate the model before the warm start (summary.json's heldout_base); no effect
     without a warm start."""
     before_rl: bool = True
@@ -325,7 +329,7 @@ class PerfConfig:
     """How the learner runs: memory bound, precision, activation recomputation, shared prompts, cores.
     None of these changes what an update computes beyond float rounding."""
 
-    micro_batch_tokens: int = 2048
+    micro_batch_tokens: int = 4096
     """Memory bound of the learner (RL updates, no-grad log-prob passes and the warm start): no
     forward pass sees more than this many padded tokens (rows x longest row). Each minibatch
     runs as micro-batches of rows with accumulated gradients, the same update as one pass; a
@@ -378,7 +382,7 @@ class WarmStartConfig:
 
     demos: int = 128
     """Teacher trajectories on training tasks, cycling through them (0 = no warm start)."""
-    mistake_rate: float = 0.0
+    mistake_rate: float = 0.5
     """Share of demos that make the plausible mistake and recover, like the lecture's trajectory."""
     imitate_mistakes: bool = False
     """Train on the demos' mistaken actions too. Off: the turns a teacher marks as its mistake

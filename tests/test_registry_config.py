@@ -24,7 +24,7 @@ def test_every_kind_has_the_components_the_design_names():
     assert set(ALL["clip"].names()) >= {"ppo", "dual_clip", "cispo", "tis", "none"}
     assert set(ALL["aggregation"].names()) >= {"token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant"}
     assert ALL["kl_estimator"].names() == ["k1", "k2", "k3"]
-    assert set(PRESETS) == {"reinforce", "ppo", "grpo", "dr_grpo", "rloo", "dapo", "cispo", "gspo", "ctpo", "decoupled"}
+    assert set(PRESETS) == {"reinforce", "ppo", "grpo", "dr_grpo", "turn_rloo", "rloo", "dapo", "cispo", "gspo", "ctpo", "decoupled"}
 
 
 def test_duplicate_registration_fails():

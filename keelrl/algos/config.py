@@ -35,7 +35,7 @@ FROM_PRESET: Any = _FromPreset()
 class AlgoConfig:
     """Credit assignment, importance ratio, clip rule, aggregation, KL and entropy."""
 
-    preset: str = "grpo"
+    preset: str = "turn_rloo"
     """Named combination of components (see `keel algos`); fields below override it."""
     advantage: str = FROM_PRESET
     """Advantage estimator: who gets credit for the outcome."""

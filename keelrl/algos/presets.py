@@ -77,6 +77,11 @@ _PRESET_LIST = [
     Preset("dr_grpo", "Liu et al. 2025 (Understanding R1-Zero-like training)",
            {"advantage": "dr_grpo", "aggregation": "constant", "norm_by_std": False, "agg_constant": 1024},
            note="no std division; loss normalised by B x agg_constant: set it to your max generated tokens"),
+    Preset("turn_rloo", "Kool et al. 2019's leave-one-out baseline, per turn index; GRPO's KL",
+           {"advantage": "turn_rloo", "aggregation": "seq_mean_token_mean", "kl_coef": 0.04,
+            "kl_estimator": "k3"},
+           note="the default: each turn's reward-to-go against the group's other episodes at that turn; "
+                "without per-turn rewards (env.shaping) each turn's reward-to-go is the outcome"),
     Preset("rloo", "Kool et al. 2019; Ahmadian et al. 2024",
            {"advantage": "rloo", "aggregation": "seq_mean_token_mean"},
            note="PPO clip for multi-epoch reuse; Ahmadian et al. use on-policy REINFORCE with KL in the reward"),
