@@ -44,7 +44,7 @@ from keelrl.envs.coding import CodingEnv
 from keelrl.envs.coding_tasks import bundled_tasks
 from keelrl.envs.tasks import Check, Task, render_test_file, save_tasks
 from keelrl.sandbox import IsolationReport, Sandbox, SandboxLimits, SandboxResult
-from keelrl.envs.verifiers import Verifier, make_verifier, run_visible_tests
+from keelrl.envs.verifiers import Verifier, make_verifier, run_checks, run_visible_tests
 from task_fixtures import FIXED, retry_task
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="the coding env needs git")
@@ -198,7 +198,49 @@ HOLED = {
 
 
 def test_every_false_positive_family_has_a_hole_test():
-    assert set(HOLED) == set(FALSE_POSITIVE_PROBES)
+    assert set(HOLED) | {"delegate_original"} == set(FALSE_POSITIVE_PROBES)  # real-code tasks only: below
+
+
+@pytest.fixture(scope="module")
+def real_basename() -> Task:
+    from keelrl.envs.real_tasks import real_tasks
+
+    return next(task for task in real_tasks(0) if task.entry_function == "basename")
+
+
+def test_delegating_to_the_library_original_scores_unfenced_and_earns_nothing_fenced(real_basename, channels,
+                                                                                      real_env):
+    """A real-code task is a mutant of a function the sandbox's standard library still holds:
+    delegating to it passes every check unless the grader fences it (`Task.off_limits`)."""
+    task = real_basename
+    assert task.off_limits == ["posixpath.basename"]
+    probes = FALSE_POSITIVE_PROBES["delegate_original"](task, channels)
+    assert [probe.name for probe in probes] == ["delegate_original_posixpath.basename"]
+    unfenced = dataclasses.replace(task, off_limits=[])
+    assert run_probe(real_env, unfenced, probes[0]).reward == 1.0
+    assert run_probe(real_env, task, probes[0]).reward == 0.0
+    assert FALSE_POSITIVE_PROBES["delegate_original"](COVERED, channels) == []  # a templated task has no original
+    # Through os.path too (the same function object), and the visible tests say why it fails.
+    via_os = {task.entry_file: task.files[task.entry_file] + "\n\ndef basename(p):\n    return os.path.basename(p)\n"}
+    results = real_env.verifier.grade(task, {**task.files, **via_os}).checks
+    assert results and not any(result.passed for result in results)
+    assert "posixpath.basename is off limits" in results[0].detail
+    tests, error = run_visible_tests(task, {**task.files, **via_os}, real_env.verifier.sandbox)
+    assert not error and tests and all("off limits" in test["message"] for test in tests if not test["passed"])
+
+
+def test_the_fence_lets_the_library_call_its_own_fenced_function(real_env):
+    """posixpath.abspath calls posixpath.join inside the library: with join off limits, a candidate
+    may still call abspath (only its own files' calls are fenced); its direct call to join raises."""
+    task = dataclasses.replace(retry_task(), off_limits=["posixpath.join"])
+    helper = ("\n\nimport posixpath\n\n\ndef through_the_library():\n    return posixpath.abspath('x')\n\n\n"
+              "def direct():\n    return posixpath.join('a', 'b')\n")
+    files = {**task.files, "helper.py": helper}
+    checks = [Check("library", [], None), Check("direct", [], None)]
+    library = dataclasses.replace(task, entry_file="helper.py", entry_function="through_the_library")
+    assert run_checks(library, files, checks[:1], real_env.verifier.sandbox)[0].detail.startswith("expected None, got '/")
+    direct = dataclasses.replace(task, entry_file="helper.py", entry_function="direct")
+    assert "posixpath.join is off limits" in run_checks(direct, files, checks[1:], real_env.verifier.sandbox)[0].detail
 
 
 @pytest.mark.parametrize("family", list(HOLED))

@@ -14,6 +14,7 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import json
 import os
 import subprocess
 import sys
@@ -259,3 +260,23 @@ def test_a_coding_episode_fixes_a_real_task():
         assert env.grade().success
     finally:
         env.close()
+
+
+def test_each_task_puts_its_original_off_limits_and_a_bad_entry_is_named():
+    """The standard library in the sandbox still holds the unmutated function: each task names it
+    in `off_limits` for the grader to fence (tests/test_audit.py runs the fence)."""
+    import dataclasses
+
+    from keelrl.envs.tasks import TaskError, task_from_dict, validate_task
+
+    tasks = TASKS
+    for task in tasks:
+        source = source_of(task)
+        assert task.off_limits == [f"{source.module}.{source.function}"], task.id
+    for bad in (["join"], ["posixpath.join()"], "posixpath.join", [3]):
+        with pytest.raises(TaskError, match="off_limits"):
+            validate_task(dataclasses.replace(tasks[0], off_limits=bad))  # type: ignore[arg-type]
+    data = json.loads(tasks[0].to_json())
+    assert task_from_dict(data).off_limits == tasks[0].off_limits
+    del data["off_limits"]
+    assert task_from_dict(data).off_limits == []  # optional: a task file without it loads

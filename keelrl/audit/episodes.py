@@ -153,7 +153,7 @@ def _reference_checks(verifier: Verifier, task: Task, inputs: list[list[Any]]) -
     expects what the fix did, or why it could not run). The fix is task data, possibly a user's:
     it runs in the sandbox like any candidate, never in this process."""
     request = {"mode": "checks", "module": task.module, "function": task.entry_function, "calls": inputs,
-               "per_call_timeout": verifier.per_call_timeout}
+               "per_call_timeout": verifier.per_call_timeout, "off_limits": list(task.off_limits)}
     report, reason = run_grader(verifier.sandbox, grading_files(task, task.fixed_files()), request)
     if report is None:
         return [], f"the reference fix could not run: {reason}"

@@ -115,6 +115,29 @@ def _rewrite_tests_probe(task: Task, channels: Channels) -> list[Probe]:
     return [Probe("rewrite_tests", "rewrite_tests", FALSE_POSITIVE, {task.test_file: _TRIVIAL_TEST})]
 
 
+_DELEGATE_TEMPLATE = '''
+
+# keel audit probe delegate_original: the library's own function, whose mutant the task is.
+import importlib as _keel_importlib
+
+
+def {function}(*args, **kwargs):
+    return getattr(_keel_importlib.import_module({module!r}), {attribute!r})(*args, **kwargs)
+'''
+
+
+@FALSE_POSITIVE_PROBES.register("delegate_original",
+                                 summary="the entry function calls the library original the task was taken from")
+def _delegate_probes(task: Task, channels: Channels) -> list[Probe]:
+    probes = []
+    for name in task.off_limits:  # real-code tasks: the stdlib still holds the unmutated function
+        module, _, attribute = name.rpartition(".")
+        probes.append(Probe(f"delegate_original_{name}", "delegate_original", FALSE_POSITIVE,
+                            {task.entry_file: _with_newline(_base_source(task)) + _DELEGATE_TEMPLATE.format(
+                                function=task.entry_function, module=module, attribute=attribute)}))
+    return probes
+
+
 _HARDCODE_TEMPLATE = '''
 
 # keel audit probe hardcode_visible: the visible tests' answers, by repr of the arguments.

@@ -40,8 +40,10 @@ holds out about a quarter of the SOURCE FUNCTIONS, not of the tasks: a function'
 all in the same split, so training on one mutant of `cram` cannot teach the held-out answer of
 another.
 What it does NOT guarantee: that the checks pin the behaviour down completely (a mutant can be
-equivalent on inputs nobody checks); that the agent cannot pass by calling the original (a
-candidate may `import posixpath` and delegate: the sandbox shows the standard library); that
+equivalent on inputs nobody checks); that the agent cannot reach the original: each task puts it off limits (`Task.off_limits`), and the
+grader fences it so that a call from the candidate's files raises (delegating, as in
+`return os.path.basename(p)`, fails every check), but a candidate that digs the original out
+again (the fence's closure, the library's source) is not stopped; that
 the code runs the same on other platforms than Linux. Evaluating mutants here traces their
 Python lines with `sys.settrace` (per thread, restored afterwards) to stop endless loops; that
 only works for code without a bare `except:`, which `_prepared` refuses.
@@ -1107,7 +1109,8 @@ def _task(prepared: _Prepared, bug: _Evaluated, task_id: str, rng: random.Random
         files={entry_file: buggy, test_file: render_test_file(module, source.function, visible)},
         entry_file=entry_file, entry_function=source.function, test_file=test_file,
         visible_tests=visible, hidden_checks=hidden, reference_fix={entry_file: fixed},
-        wrong_fix={entry_file: prepared.file(wrong)} if wrong else {}, brittle_phrase=brittle)
+        wrong_fix={entry_file: prepared.file(wrong)} if wrong else {}, brittle_phrase=brittle,
+        off_limits=[f"{source.module}.{source.function}"])
 
 
 def _wrong_fix(prepared: _Prepared, bug: _Evaluated, key: str, rng: random.Random) -> str:

@@ -14,6 +14,8 @@ One task per line, a JSON object with these fields:
     reference_fix   {relative path: full new text} for every file the fix changes
     wrong_fix       optional, same form: a plausible fix that still fails a hidden check
     brittle_phrase  optional: an incidental source phrase (the `brittle` verifier demands it)
+    off_limits      optional: ["module.function", ...] library functions the candidate's files may
+                    not call (a real-code task's original: keelrl/envs/_grader.py fences them)
 
 A check is {"name": str, "args": [JSON values], "expected": JSON value} with optional
 "raises": exception class name (the call must raise it) and "key": true (the headline case,
@@ -73,6 +75,7 @@ class Task:
     reference_fix: dict[str, str]
     wrong_fix: dict[str, str] = field(default_factory=dict)
     brittle_phrase: str = ""
+    off_limits: list[str] = field(default_factory=list)
 
     @property
     def module(self) -> str:
@@ -122,7 +125,7 @@ def task_from_dict(data: Any, where: str = "task") -> Task:
     missing = [name for name in required if name not in data]
     if missing:
         raise TaskError(f"{where}: missing fields {missing}")
-    known = set(required) | {"wrong_fix", "brittle_phrase"}
+    known = set(required) | {"wrong_fix", "brittle_phrase", "off_limits"}
     unknown = set(data) - known
     if unknown:
         raise TaskError(f"{where}: unknown fields {sorted(unknown)}")
@@ -136,7 +139,7 @@ def task_from_dict(data: Any, where: str = "task") -> Task:
         visible_tests=[_check_from(c, f"{where}.visible_tests[{i}]") for i, c in enumerate(_list(data, "visible_tests", where))],
         hidden_checks=[_check_from(c, f"{where}.hidden_checks[{i}]") for i, c in enumerate(_list(data, "hidden_checks", where))],
         reference_fix=dict(data["reference_fix"]), wrong_fix=dict(data.get("wrong_fix", {})),
-        brittle_phrase=data.get("brittle_phrase", ""))
+        brittle_phrase=data.get("brittle_phrase", ""), off_limits=data.get("off_limits", []))
     validate_task(task, where)
     return task
 
@@ -160,6 +163,11 @@ def validate_task(task: Task, where: str | None = None) -> None:
             raise TaskError(f"{where}.{name}: must be a non-empty string, got {_short(value)}")
     if not isinstance(task.brittle_phrase, str):
         raise TaskError(f"{where}.brittle_phrase: must be a string, got {_short(task.brittle_phrase)}")
+    if not isinstance(task.off_limits, list) or not all(
+            isinstance(name, str) and len(name.split(".")) >= 2
+            and all(_IDENTIFIER.fullmatch(part) for part in name.split(".")) for name in task.off_limits):
+        raise TaskError(f"{where}.off_limits: must be a list of dotted names like \"posixpath.join\", "
+                        f"got {_short(task.off_limits)}")
     for name in ("files", "reference_fix", "wrong_fix"):
         for path in getattr(task, name):
             _check_path(path, f"{where}.{name}")

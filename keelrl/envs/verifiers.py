@@ -112,7 +112,8 @@ def run_checks(task: Task, files: Mapping[str, str], checks: Sequence[Check], sa
                per_call_timeout: float = 2.0) -> list[CheckResult]:
     """Run `checks` against the candidate `files` in one sandboxed process."""
     request = {"mode": "checks", "module": task.module, "function": task.entry_function,
-               "calls": [check.args for check in checks], "per_call_timeout": per_call_timeout}
+               "calls": [check.args for check in checks], "per_call_timeout": per_call_timeout,
+               "off_limits": list(task.off_limits)}
     report, reason = run_grader(sandbox, grading_files(task, files), request)
     if report is None:
         return [CheckResult(check.name, False, reason) for check in checks]
@@ -136,7 +137,8 @@ def run_visible_tests(task: Task, files: Mapping[str, str], sandbox: Sandbox,
     runnable[GRADER_FILE] = GRADER_SOURCE
     if task.test_file not in runnable:
         return [], f"no test file {task.test_file!r} (it was deleted)"
-    request = {"mode": "tests", "test_module": task.test_module, "per_call_timeout": per_call_timeout}
+    request = {"mode": "tests", "test_module": task.test_module, "per_call_timeout": per_call_timeout,
+               "off_limits": list(task.off_limits)}
     report, reason = run_grader(sandbox, runnable, request)
     if report is None:
         return [], reason
