@@ -83,16 +83,45 @@ def test_stale_ratios_lab_measures_weights_on_real_rollouts(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["dynamic-sampling", "entropy", "reward-hacking", "credit"])
+@pytest.mark.parametrize("name", ["dynamic-sampling", "entropy", "reward-hacking"])
 def test_training_labs_run_at_the_quick_budget(tmp_path, name):
     result = run_lab(name, tmp_path, quick=True)
     variants = {"dynamic-sampling": {"dapo", "dapo-no-dynamic"}, "entropy": {"no-bonus", "bonus-0.005", "bonus-0.05"},
-                "reward-hacking": {"weak", "strong"}, "credit": {"grpo", "critic-turn-gae", "failed_episode_turns"}}
+                "reward-hacking": {"weak", "strong"}}
     assert set(result.numbers) - {"lab_seconds"} == variants[name]
     assert result.numbers["lab_seconds"] > 0 and "Lab wall time" in result.summary
     assert all(path.exists() for path in result.files)
     assert (tmp_path / "warm" / "model" / "config.json").exists()
     assert LABS[name][0]
+
+
+@pytest.mark.slow
+def test_credit_lab_runs_its_three_variants_on_the_quick_budget_and_measures_trajectory_b(tmp_path):
+    """--quick swaps SmolLM2 for the tiny model: one warm start, then GRPO, PPO + value head with
+    turn-level GAE and GRPO + process reward model; every variant labels its turns, so each step
+    logs how many good turns of failed episodes there were, and the lab pools them."""
+    from keelrl.labs import lab_settings
+    from keelrl.labs.credit import good_turn_share
+
+    assert "model.path=smollm2" in lab_settings("credit") and "prm.enabled=true" in lab_settings("credit")
+    result = run_lab("credit", tmp_path, quick=True)
+    assert set(result.numbers) - {"lab_seconds"} == {"grpo", "ppo-turn-gae", "grpo-prm"}
+    for variant in ("grpo", "ppo-turn-gae", "grpo-prm"):
+        rows = [json.loads(line) for line in (tmp_path / variant / "metrics.jsonl").read_text().splitlines()]
+        assert sum(1 for row in rows if "credit/good_turns" in row) == 2  # each of the 2 steps measured it
+        assert result.numbers[variant]["good_turns"] == good_turn_share(rows)[0]
+    assert (tmp_path / "warm" / "model" / "config.json").exists() and (tmp_path / "credit.png").stat().st_size > 1000
+    assert "| grpo-prm |" in (tmp_path / "summary.md").read_text()
+
+
+def test_good_turn_share_pools_the_steps_by_count():
+    from keelrl.labs.credit import good_turn_share
+
+    rows = [{"step": 1, "credit/good_turns": 4.0, "credit/good_turn_positive_frac": 0.25},
+            {"step": 2, "credit/good_turns": 0.0},
+            {"step": 3, "credit/good_turns": 6.0, "credit/good_turn_positive_frac": 0.5}]
+    assert good_turn_share(rows) == (10, (1 + 3) / 10)
+    assert good_turn_share([{"step": 1, "credit/good_turns": 0.0}])[0] == 0
 
 
 @pytest.mark.slow

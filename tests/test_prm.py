@@ -163,6 +163,34 @@ def test_process_advantages_centre_each_turns_score_in_its_group():
     assert torch.equal(process_advantages(scores[:0], torch.zeros_like(mask), batch, 0.5), torch.zeros(rows, width))
 
 
+def test_good_turn_credit_counts_good_turns_of_failed_episodes_by_their_mean_advantage():
+    """Trajectory B by hand. Row 0 failed (reward 0): turn 0 raised the hidden pass count (label 1)
+    and its tokens' advantages -1, 3 average to +1 > 0; turn 1 (label 0) does not count. Row 1
+    failed: its good turn 1 has advantages 0.5, -2 (mean -0.75). Row 2 succeeded (reward 1): its
+    good turn is not a failed episode's. So 2 good turns, 1 of them credited: share 1/2."""
+    from keelrl.train.advantage import good_turn_credit
+
+    # prompt 1 token, then turns of 2 action tokens + 1 observation token
+    mask = torch.tensor([[0, 1, 1, 0, 1, 1, 0]] * 3, dtype=torch.bool)
+    turns = torch.tensor([[0, 0, 0, 0, 1, 1, 1]] * 3)
+    labels = torch.full((3, 7), -1)
+    labels[0, 2], labels[0, 5] = 1, 0
+    labels[1, 5] = 1
+    labels[2, 2] = 1
+    advantages = torch.tensor([[0, -1, 3, 0, -5, -5, 0],
+                               [0, 9, 9, 0, 0.5, -2, 0],
+                               [0, -4, -4, 0, 1, 1, 0]], dtype=torch.float32)
+    batch = Batch(torch.zeros(3, 7, dtype=torch.long), torch.ones(3, 7, dtype=torch.long), mask, torch.zeros(3, 7),
+                  turns, torch.tensor([0.0, 0.0, 1.0]), torch.tensor([0, 0, 0]), None, labels)
+    assert good_turn_credit(advantages, batch) == {"credit/good_turns": 2.0, "credit/good_turn_positive_frac": 0.5}
+    advantages[1, 4] = 3.0  # row 1's good turn now averages (3 - 2) / 2 = 0.5 > 0
+    assert good_turn_credit(advantages, batch)["credit/good_turn_positive_frac"] == 1.0
+    batch.rewards[:] = 1.0  # every episode solved: no good turn of a failed one
+    assert good_turn_credit(advantages, batch) == {"credit/good_turns": 0.0}
+    batch.step_labels = None  # no labels (prm off): nothing to measure
+    assert good_turn_credit(advantages, batch) == {}
+
+
 def test_bad_prm_settings_are_named():
     with pytest.raises(ConfigError, match="weight"):
         load_config(overrides=["prm.weight=0.5"])
@@ -186,6 +214,7 @@ def test_a_run_trains_the_scorer_uses_it_and_resumes_it(tiny_model_dir, tmp_path
     assert len(steps) == 2 and all(row["prm/turns"] >= 4 for row in steps)  # 4 episodes, at least 1 turn each
     assert steps[-1]["prm/buffer"] == sum(row["prm/turns"] for row in steps)
     assert all(0 <= row["prm/accuracy"] <= 1 for row in steps)
+    assert all(row["credit/good_turns"] >= 0 for row in steps)  # trajectory B is measured whenever turns are labelled
     evaluated = [row for row in rows if "eval/prm_turns" in row]
     assert evaluated and all(row["eval/prm_turns"] >= 3 for row in evaluated)
     assert 0 <= evaluated[-1]["eval/prm_balanced_accuracy"] <= 1

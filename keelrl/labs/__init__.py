@@ -11,7 +11,7 @@ warm/model, and every variant starts RL from it with the same seed, so the varia
 the one setting the lab is about.
 
 One module per lab, each described in its docstring: `stale_ratios`, `dynamic_sampling`,
-`entropy`, `reward_hacking`, `credit` and `distill` (on SmolLM2); `common` holds their shared
+`entropy`, `reward_hacking`, and `credit` and `distill` (on SmolLM2); `common` holds their shared
 settings and helpers. This module keeps the registry (`LABS`) and `run_lab`.
 """
 
@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 
 from keelrl.labs.common import (ENTROPY, GUESS, HACK, LAB_FAST, QUICK, QUICK_GUESS, USER_OVERRIDES, LabResult,
                                 config)
-from keelrl.labs.credit import lab_credit
+from keelrl.labs.credit import CREDIT, CREDIT_QUICK, lab_credit
 from keelrl.labs.distill import DISTILL, DISTILL_QUICK, lab_distill
 from keelrl.labs.dynamic_sampling import lab_dynamic_sampling
 from keelrl.labs.entropy import lab_entropy
@@ -45,13 +45,14 @@ LABS: dict[str, tuple[str, LabFn, list[str]]] = {
     "dynamic-sampling": ("DAPO with and without dynamic sampling (guessing game)", lab_dynamic_sampling, GUESS),
     "entropy": ("entropy collapse without a bonus vs with one (guessing game)", lab_entropy, ENTROPY),
     "reward-hacking": ("training on the weak verifier vs the strong one (guessing game)", lab_reward_hacking, HACK),
-    "credit": ("critic + turn-level GAE vs GRPO group credit (guessing game)", lab_credit, GUESS),
+    "credit": ("GRPO vs PPO + value head with turn-level GAE vs GRPO + process reward model (SmolLM2, "
+               "multi-turn coding)", lab_credit, CREDIT),
     "distill": ("GRPO vs on-policy distillation vs self-distillation (SmolLM2)", lab_distill, DISTILL),
 }
 """name -> (description, function, the settings it runs on over LAB_FAST; those of a lab in
 REAL_MODEL_LABS are complete on their own)."""
 
-REAL_MODEL_LABS = {"distill": DISTILL_QUICK}
+REAL_MODEL_LABS = {"distill": DISTILL_QUICK, "credit": CREDIT_QUICK}
 """Labs that run the default pretrained model, not the tiny one: their settings replace the tiny
 recipe and LAB_FAST, and --quick swaps in the given tiny-model settings."""
 

@@ -161,7 +161,8 @@ def plot_variants(path: Path, runs: dict[str, list[dict[str, Any]]], panels: lis
                                label=f"{variant}: {name} alarm")
         ax.set_title(label)
         ax.set_xlabel("RL step")
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # a metric no variant logged leaves an empty panel
+            ax.legend(fontsize=8)
     figure.suptitle(title)
     figure.tight_layout()
     figure.savefig(path, dpi=100)

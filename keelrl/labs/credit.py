@@ -1,5 +1,8 @@
-"""Lab credit: on the guessing game, critic + turn-level GAE vs GRPO group credit: learning speed,
-and the per-turn advantages of a failed episode that had a good turn."""
+"""Lab credit: on SmolLM2 as a multi-turn coding agent, one warm-started student trained three
+ways on the same rollout budget: GRPO (one advantage broadcast to every turn), PPO with a value
+head and turn-level GAE, and GRPO with the process reward model as a surrogate value. Held-out
+curves, and the lecture's trajectory-B measurement: among the turns of failed episodes that
+raised the hidden-check pass count, the share each method gave a positive advantage."""
 
 from __future__ import annotations
 
@@ -9,102 +12,74 @@ from typing import Any, Callable, Sequence
 from keelrl.labs.common import (LabResult, first, last, markdown_table, mean, plot_variants, series,
                                 steps_run, train_variants)
 
-def _turn_table(trajectory: Any, advantages: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per turn of one trajectory: its guess, whether it was the midpoint, each method's mean advantage."""
-    import torch
+CREDIT = ["model.path=smollm2", "train.steps=4", "eval.every=2", "eval.tasks=60", "prm.enabled=true",
+          "output.checkpoint_every=1000", "output.sample_trajectories=2"]
+"""The credit lab's budget over the default run (SmolLM2, five turns, its warm start): 4 RL steps
+of 8 tasks x 4 attempts per variant, a 60-task held-out evaluation every 2 steps (the shared start's
+once). Every variant
+labels its turns by hidden-check progress (`prm.enabled`) for the trajectory-B measurement;
+only grpo-prm adds the scorer to its advantages."""
 
-    from keelrl.envs.guess import interval_after
+CREDIT_QUICK = ["model.path=tiny", "env.show_file=false", "env.max_turns=3", "rollout.max_new_tokens=16",
+                "rollout.tasks_per_step=2", "rollout.group_size=2", "train.steps=2", "eval.every=1",
+                "eval.tasks=4", "train.minibatch_size=2", "rollout.temperature=1.0", "eval.dtype=float32",
+                "warm_start.demos=16", "warm_start.lr=2e-3", "rollout.max_context_tokens=2048",
+                "perf.learner_precision=float32"]
+"""--quick: the tiny model, for a smoke run of the machinery."""
 
-    turn_ids = torch.tensor(trajectory.turn_ids)
-    action = torch.tensor(trajectory.action_mask)
-    rows: list[dict[str, Any]] = []
-    history: list[tuple[int, str]] = []
-    for turn, (text, observation) in enumerate(zip(trajectory.actions, trajectory.observations)):
-        low, high = interval_after(16, history)
-        try:
-            guess = int(text.strip().removeprefix("<call>guess ").removesuffix("</call>"))
-        except ValueError:
-            guess = None
-        where = action & (turn_ids == turn)
-        row = {"turn": turn, "action": text.strip()[:40], "answer": observation[:20],
-               "midpoint_guess": guess == (low + high) // 2 if guess is not None else False}
-        for name, adv in advantages.items():
-            row[name] = float(adv[where].mean()) if bool(where.any()) else float("nan")
-        rows.append(row)
-        if guess is not None:
-            history.append((guess, observation))
-    return rows
+VARIANTS = {"grpo": ["algo.preset=grpo"],
+            "ppo-turn-gae": ["algo.preset=ppo", "algo.level=turn", "algo.lam=0.9", "model.critic=head"],
+            "grpo-prm": ["algo.preset=grpo", "prm.weight=1.0"]}
+"""The three credit assignments, each on top of the lab's settings."""
+
+
+def good_turn_share(rows: list[dict[str, Any]]) -> tuple[int, float]:
+    """(good turns of failed episodes over the run's steps, the share with a positive advantage),
+    pooled over steps by count (`credit/good_turns`, `credit/good_turn_positive_frac`)."""
+    counts = dict(series(rows, "credit/good_turns"))
+    shares = dict(series(rows, "credit/good_turn_positive_frac"))
+    total = sum(counts.values())
+    positive = sum(counts[step] * shares[step] for step in shares if step in counts)
+    return int(total), (positive / total if total else float("nan"))
 
 
 def lab_credit(out: Path, overrides: Sequence[str], quick: bool, progress: Callable[[str], None]) -> LabResult:
-    """Critic + turn-level GAE vs GRPO group credit on the guessing game."""
-
-    from keelrl.algos import AlgoConfig, compute_advantages, outcome_to_token_rewards
-    from keelrl.rollout.trajectory import collate
-
-    steps = 2 if quick else 15
-    settings = list(overrides)
-    common = [f"train.steps={steps}", f"eval.every={max(1, steps // 3)}"]
-    variants = {"grpo": ["algo.preset=grpo", *common],
-                "critic-turn-gae": ["algo.preset=ppo", "algo.level=turn", "algo.lam=0.9", "model.critic=head",
-                                    *common]}
-    trainers: dict[str, Any] = {}
-    runs = train_variants(out, variants, settings, progress, trainers)
+    """GRPO vs PPO + value head with turn-level GAE vs GRPO + process reward model, from one warm start."""
+    first_variant = next(iter(VARIANTS))
+    variants = {label: [*extra, *([] if label == first_variant else ["eval.before_rl=false"])]
+                for label, extra in VARIANTS.items()}  # one start, evaluated once
+    runs = train_variants(out, variants, overrides, progress)
+    start = [row for row in runs[first_variant] if row.get("step") == 0 and "eval/success" in row]
+    runs = {label: rows if label == first_variant else [*start, *rows] for label, rows in runs.items()}
     steps = steps_run(runs)
-    chart = plot_variants(out / "credit.png", runs, [("train/reward", "training success rate"),
-                                                     ("eval/success", "held-out success (greedy)")],
-                          "Credit assignment on the guessing game")
-    progress("looking for a failed episode with a good turn")
-    critic = trainers["critic-turn-gae"]
-    engine = critic.make_engine()
-    engine.start(critic.step)
-    example: list[dict[str, Any]] = []
-    for attempt in range(6):
-        if attempt:  # the same weights under the next version, so the next step's requests may start
-            engine.publish_model(critic.model, critic.step + attempt)
-        trajectories = engine.batch(critic.step + 1 + attempt).trajectories
-        batch = collate(trajectories, critic.pad_id).to(critic.device)
-        critic_adv = critic._advantages(batch)[0].cpu()
-        grpo = compute_advantages(token_rewards=outcome_to_token_rewards(batch.rewards, batch.action_mask),
-                                  mask=batch.action_mask, group_ids=batch.group_ids,
-                                  cfg=AlgoConfig(preset="grpo")).advantages.cpu()
-        for row, t in enumerate(trajectories):
-            if t.success:
-                continue
-            n = len(t.token_ids)
-            table = _turn_table(t, {"grpo": grpo[row, :n], "critic_turn_gae": critic_adv[row, :n]})
-            if any(r["midpoint_guess"] for r in table[:-1]) or (any(r["midpoint_guess"] for r in table) and not example):
-                example = table
-                group_rewards = [u.reward for u in trajectories if u.group_id == t.group_id]
-                if any(r["midpoint_guess"] for r in table[:-1]) and max(group_rewards) > 0:
-                    break
-        else:
-            continue
-        break
-    engine.close()
-    numbers: dict[str, Any] = {label: {"reward_first": first(rows, "train/reward"),
-                                       "reward_last3": mean([v for _, v in series(rows, "train/reward")[-3:]]),
-                                       "eval_before": first(rows, "eval/success"),
-                                       "eval_after": last(rows, "eval/success")}
-                               for label, rows in runs.items()}
-    numbers["failed_episode_turns"] = example
-    signs = ""
-    if example:
-        signs = markdown_table(["turn", "action", "answer", "midpoint guess", "GRPO advantage", "critic + turn GAE"],
-                               [(r["turn"], r["action"], r["answer"], r["midpoint_guess"], r["grpo"], r["critic_turn_gae"])
-                                for r in example])
+    chart = plot_variants(out / "credit.png", runs, [("eval/success", "held-out strict success (greedy)"),
+                                                     ("train/success", "training success (sampled)"),
+                                                     ("credit/good_turn_positive_frac",
+                                                      "good turns of failed episodes credited > 0")],
+                          "Credit assignment on the multi-turn coding agent")
+    numbers: dict[str, Any] = {}
+    for label, rows in runs.items():
+        good, share = good_turn_share(rows)
+        numbers[label] = {"eval_before": first(rows, "eval/success"), "eval_after": last(rows, "eval/success"),
+                          "train_success": mean([v for _, v in series(rows, "train/success")]),
+                          "recovery_after": last(rows, "eval/recovery_rate"),
+                          "good_turns": good, "good_turn_positive_share": share}
+    table = markdown_table(
+        ["variant", "held-out before", "held-out after", "training success (mean)", "recovery after",
+         "good turns of failed episodes", "share credited > 0"],
+        [(k, v["eval_before"], v["eval_after"], v["train_success"], v["recovery_after"], v["good_turns"],
+          v["good_turn_positive_share"]) for k, v in numbers.items()])
     summary = "\n".join([
         "# Lab: credit assignment", "",
-        f"The guessing game (1..16, 5 guesses), warm-started on a teacher that guesses at random 60% of the time, "
-        f"then {steps} RL steps of GRPO (group credit: every token of an episode shares its outcome's advantage) "
-        f"or PPO with a value head and turn-level GAE (lambda 0.9: each turn is credited by how the critic's "
-        f"estimate moved).", "",
-        markdown_table(["variant", "train success first", "train success (last 3)", "held-out before", "held-out after"],
-                       [(k, v["reward_first"], v["reward_last3"], v["eval_before"], v["eval_after"])
-                        for k, v in numbers.items() if k != "failed_episode_turns"]), "",
-        "A failed episode from the trained critic policy, per turn (mean advantage over the turn's tokens); "
-        "a midpoint guess is the binary-search move:", "",
-        signs or "(no failed episode found in the sampled batches)", "",
-        "GRPO gives every turn of a failed episode the same sign; turn-level GAE can credit a good turn "
-        "inside a failed episode when the critic's value rose after it.", "", f"Chart: {chart.name}"])
+        f"One warm-started student, then {steps} RL steps of each credit assignment on the same rollout "
+        "budget: GRPO (every token of an episode shares its outcome's advantage), PPO with a value head "
+        "and turn-level GAE (lambda 0.9: a turn is credited by how the critic's estimate moved), and GRPO "
+        "with the process reward model as a surrogate value (its score of each code-changing turn, "
+        "centred in the group, added to the turn's advantage). Every variant labels each code-changing "
+        "turn by whether it raised the hidden-check pass count.", "",
+        table, "",
+        "Good turns: turns of failed training episodes that raised the hidden-check pass count (the "
+        "lecture's trajectory B), pooled over the steps; the share is those whose mean advantage over "
+        "the turn's tokens was positive. GRPO gives them their episode's sign; per-turn credit can "
+        "reward them.", "", f"Chart: {chart.name}"])
     return LabResult("credit", numbers, summary, [chart])

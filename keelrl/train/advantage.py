@@ -66,6 +66,31 @@ def zero_advantage_frac(batch: Batch) -> float:
     return 1.0 - mixed.mean().item()
 
 
+def good_turn_credit(advantages: Tensor, batch: Batch) -> dict[str, float]:
+    """The lecture's trajectory-B measurement over the batch: among the turns of failed episodes
+    (outcome reward below 1) that raised the hidden-check pass count (process label 1, so only
+    with `prm.enabled`), how many there are (`credit/good_turns`) and the share whose mean
+    advantage over the turn's action tokens is positive (`credit/good_turn_positive_frac`).
+    One advantage broadcast over an episode gives every such turn its failure's sign; per-turn
+    credit can reward the good turn inside it. {} without labels."""
+    if batch.step_labels is None:
+        return {}
+    mask = batch.action_mask
+    turns = batch.turn_ids.long().clamp(min=0)
+    width = int(turns.max()) + 1 if turns.numel() else 1
+    sums = torch.zeros(mask.shape[0], width, dtype=torch.float64, device=mask.device)
+    sums.scatter_add_(1, turns, advantages.double().masked_fill(~mask, 0.0))
+    counts = torch.zeros_like(sums).scatter_add_(1, turns, mask.double())
+    good = (batch.step_labels == 1) & (batch.rewards < 1.0).unsqueeze(1)  # [B, T]: a good turn's last action token
+    rows, positions = good.nonzero(as_tuple=True)
+    if rows.numel() == 0:
+        return {"credit/good_turns": 0.0}
+    at = turns[rows, positions]
+    turn_mean = sums[rows, at] / counts[rows, at].clamp(min=1)
+    return {"credit/good_turns": float(rows.numel()),
+            "credit/good_turn_positive_frac": float((turn_mean > 0).double().mean())}
+
+
 @dataclass
 class Advantages:
     """The stage's result: the updates' inputs and the stage's own metrics."""
@@ -147,6 +172,7 @@ class AdvantageStage:
             if self.cfg.distill.form == "advantage":  # a dense per-token reward: -coef x the sampled reverse KL
                 advantages = advantages - self.cfg.distill.coef * sampled_kl.to(advantages.dtype)
         stats.update(prm_stats)
+        stats.update(good_turn_credit(advantages, batch))
         if prox_logp is not None:
             stats.update(arrival_stats(prox_logp, batch, algo))
         if sampled_by_teacher:  # another policy's samples: distil on them, do not reinforce them
