@@ -61,7 +61,10 @@ def _fence_off(names, root):
     """Replace each "module.function" of `names` by its fence, wherever a loaded module holds it."""
     for name in names:
         module_name, _, attribute = name.rpartition(".")
-        original = getattr(importlib.import_module(module_name), attribute)
+        try:
+            original = getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError):  # not in this library (a C module replaced it): nothing to call
+            continue
         fenced = _fence(name, original, root)  # root: absolute, as the candidate's modules' file names are
         for module in list(sys.modules.values()):
             try:
