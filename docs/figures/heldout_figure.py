@@ -1,9 +1,11 @@
 """Draw docs/figures/default_run_heldout.png from a run's summary.json: held-out strict success
-(with standard errors) of the base model, after the warm start and after RL.
+(with standard errors) after the warm start and after RL, and of the base model when the run
+evaluated it.
 
     python docs/figures/heldout_figure.py runs/default/summary.json [--base OTHER/summary.json]
 
---base takes the base model's figure from another run (one made with eval.base=false has none).
+--base takes the base model's figure from another run (the default run, with eval.base=false,
+has none).
 """
 
 from __future__ import annotations
@@ -25,13 +27,13 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).with_name("default_run_heldout.png")))
     args = parser.parse_args()
     summary = json.loads(Path(args.summary).read_text())
-    base = json.loads(Path(args.base).read_text())["heldout_base"] if args.base else summary["heldout_base"]
-    stages = [("base model", base), ("after warm start", summary["heldout_warm_start"]),
-              ("after RL (GRPO, 10 steps)", summary["heldout_final"])]
+    base = json.loads(Path(args.base).read_text())["heldout_base"] if args.base else summary.get("heldout_base")
+    stages = [*([("base model", base)] if base else []), ("after warm start", summary["heldout_warm_start"]),
+              (f"after RL ({summary['preset']}, {summary['steps']} steps)", summary["heldout_final"])]
     fig, ax = plt.subplots(figsize=(6, 3.2))
     values = [block["success"] for _, block in stages]
     errors = [block["success_se"] or 0.0 for _, block in stages]
-    bars = ax.bar([name for name, _ in stages], values, yerr=errors, capsize=6, color=["#999", "#4a7", "#27a"])
+    bars = ax.bar([name for name, _ in stages], values, yerr=errors, capsize=6, color=["#999", "#4a7", "#27a"][-len(stages):])
     for bar, value, (_, block) in zip(bars, values, stages):
         ax.text(bar.get_x() + bar.get_width() / 2, value + 0.04, f"{round(value * block['tasks'])}/{block['tasks']}",
                 ha="center")
