@@ -144,12 +144,13 @@ def test_a_registered_spec_validates_the_config_where_it_is_resolved(registry):
             raise ConfigError("max_turns", f"say takes at most 2 turns, got {env.max_turns}")
 
     register_env(say_spec(validate=at_most_two_turns, verifiers=("strong", "lenient"), teacher=None))
-    assert check(load_config(overrides=["env.name=say", "env.verifier=lenient", "warm_start.demos=0"])).name == "say"
+    assert check(load_config(overrides=["env.name=say", "env.verifier=lenient", "warm_start.demos=0",
+                                        "env.max_turns=2"])).name == "say"
     for override, field, message in (("env.max_turns=3", "env.max_turns", "at most 2 turns"),
                                      ("env.verifier=brittle", "env.verifier", "has no verifier 'brittle'"),
                                      ("warm_start.demos=4", "warm_start.demos", "no scripted teacher")):
         with pytest.raises(ConfigError) as info:
-            check(load_config(overrides=["env.name=say", "warm_start.demos=0", override]))
+            check(load_config(overrides=["env.name=say", "warm_start.demos=0", "env.max_turns=2", override]))
         assert info.value.field == field and message in str(info.value)
 
 
@@ -249,9 +250,13 @@ def test_a_user_env_spec_trains_through_the_trainer(tiny_model_dir, tmp_path):
 def test_a_field_of_another_environment_kind_is_an_error():
     for overrides, field, other in ((["env.guess_n=8"], "env.guess_n", "the guessing game"),
                                     (["env.name=guess", "env.dataset=chain_sum"], "env.dataset", "reasoning_gym"),
-                                    (["env.name=guess", "env.tasks=mine.jsonl"], "env.tasks", "the coding environment")):
+                                    (["env.name=guess", "env.tasks=mine.jsonl"], "env.tasks", "the coding environment"),
+                                    (["env.name=guess", "env.shaping=0.5"], "env.shaping", "the coding environment")):
         with pytest.raises(ConfigError) as info:
             check(load_config(overrides=overrides))
         assert info.value.field == field and other in str(info.value), overrides
     # Its own fields, and the fields every kind reads, are fine; so is another kind's field at its default.
     assert check(load_config(overrides=["env.name=guess", "env.guess_n=8", "env.max_turns=3", "env.guess_tasks=2000"]))
+    # A value that turns another kind's feature off (EnvSpec.off) is not a setting either: the tiny
+    # recipe switches the coding environment's shaping off, and the guessing game still runs on it.
+    assert check(load_config(overrides=["env.name=guess", "env.shaping=0", "env.malformed_cost=0"]))

@@ -108,7 +108,7 @@ def test_credit_lab_runs_its_three_variants_on_the_quick_budget_and_measures_tra
     assert set(result.numbers) - {"lab_seconds"} == {"grpo", "ppo-turn-gae", "grpo-prm"}
     for variant in ("grpo", "ppo-turn-gae", "grpo-prm"):
         rows = [json.loads(line) for line in (tmp_path / variant / "metrics.jsonl").read_text().splitlines()]
-        assert sum(1 for row in rows if "credit/good_turns" in row) == 2  # each of the 2 steps measured it
+        assert sum(1 for row in rows if "credit/good_turns" in row) >= 1  # a step with a labelled turn measured it
         assert result.numbers[variant]["good_turns"] == good_turn_share(rows)[0]
     assert (tmp_path / "warm" / "model" / "config.json").exists() and (tmp_path / "credit.png").stat().st_size > 1000
     assert "| grpo-prm |" in (tmp_path / "summary.md").read_text()

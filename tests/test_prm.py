@@ -187,7 +187,9 @@ def test_good_turn_credit_counts_good_turns_of_failed_episodes_by_their_mean_adv
     assert good_turn_credit(advantages, batch)["credit/good_turn_positive_frac"] == 1.0
     batch.rewards[:] = 1.0  # every episode solved: no good turn of a failed one
     assert good_turn_credit(advantages, batch) == {"credit/good_turns": 0.0}
-    batch.step_labels = None  # no labels (prm off): nothing to measure
+    batch.step_labels = torch.full((3, 7), -1)  # no turn labelled (prm off): nothing to measure
+    assert good_turn_credit(advantages, batch) == {}
+    batch.step_labels = None
     assert good_turn_credit(advantages, batch) == {}
 
 

@@ -181,6 +181,7 @@ NOT_APPLICABLE: dict[str, str] = {
     "git_history": "no repository and no git history: an episode has no working directory",
     "network": f"no network to fetch answers over: {_NO_CODE}",
     "secret_env": f"no environment variables to read: {_NO_CODE}",
+    "delegate_original": f"no library function a task was taken from: {_NO_CODE}",
     **{name: "a code rewrite of a reference fix: the correct answer's rewrites here are answer formats "
              "(padded, body_form, reasoning_first)" for name in REWRITES},
     "sandbox exposure": f"no sandbox: {_NO_CODE}",

@@ -25,8 +25,8 @@ training factory must pickle, since Ray rollout workers call it in their own pro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
 from keelrl.envs.base import Env, Policy
 from keelrl.errors import ConfigError
@@ -74,6 +74,9 @@ class EnvSpec:
     fields: tuple[str, ...] = ()
     """The env-section fields that only this kind reads (e.g. guess_n): set to other than its
     default under another env.name, such a field is an error, not silently ignored."""
+    off: Mapping[str, Any] = field(default_factory=dict)
+    """Values of its `fields` that turn a feature off (coding: env.shaping=0): another kind, which
+    has no such feature, accepts them, so a recipe can switch one off for every kind."""
     title: str = ""
     """How error messages name it ("the guessing game"); default: "env.name=NAME"."""
     family: Callable[[Any], str] | None = None
@@ -114,12 +117,15 @@ def env_spec(name: str) -> EnvSpec:
 
 
 def check_env_section(env: EnvConfig, spec: EnvSpec) -> None:
-    """The env section against `spec`: no field of another registered kind set (`EnvSpec.fields`),
+    """The env section against `spec`: no field of another registered kind set (`EnvSpec.fields`;
+    its default or an `EnvSpec.off` value is not a setting),
     the verifier name, then the spec's own checks (fields relative to env)."""
     defaults = type(env)()
     for other in ENVIRONMENTS.entries():
         for name in other.obj.fields:
-            if name not in spec.fields and getattr(env, name) != getattr(defaults, name):
+            value = getattr(env, name)
+            if (name not in spec.fields and value != getattr(defaults, name)
+                    and not (name in other.obj.off and value == other.obj.off[name])):
                 raise ConfigError(name, f"{name}={getattr(env, name)!r} is a setting of {other.obj.label}, "
                                         f"which {spec.label} does not read; remove it (or choose "
                                         f"env.name={other.name})")
@@ -294,7 +300,8 @@ def _register_builtins() -> None:
                          eval_env=lambda cfg: _coding_env(cfg, False), teacher=_coding_teacher,
                          answer_tools=PATCH_TOOLS, verifiers=_coding_verifiers(), family=_coding_family,
                          title="the coding environment",
-                         fields=("tasks", "key_check_weight", "shaping", "malformed_cost")))
+                         fields=("tasks", "key_check_weight", "shaping", "malformed_cost"),
+                         off={"shaping": 0.0, "malformed_cost": 0.0}))
     register_env(EnvSpec(name="guess", tasks=_guess_tasks, train_env=lambda cfg: _guess_env(cfg, True),
                          eval_env=lambda cfg: _guess_env(cfg, False), teacher=_guess_teacher,
                          answer_tools=("guess",), verifiers=GUESS_VERIFIERS, title="the guessing game",

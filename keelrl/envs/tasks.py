@@ -91,7 +91,10 @@ class Task:
         return {**self.files, **self.reference_fix}
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=False)
+        data = asdict(self)
+        if not data["off_limits"]:  # optional: a task without it writes what it did before the field
+            del data["off_limits"]
+        return json.dumps(data, sort_keys=False)
 
 
 def _check_from(data: Any, where: str) -> Check:

@@ -72,8 +72,8 @@ def good_turn_credit(advantages: Tensor, batch: Batch) -> dict[str, float]:
     with `prm.enabled`), how many there are (`credit/good_turns`) and the share whose mean
     advantage over the turn's action tokens is positive (`credit/good_turn_positive_frac`).
     One advantage broadcast over an episode gives every such turn its failure's sign; per-turn
-    credit can reward the good turn inside it. {} without labels."""
-    if batch.step_labels is None:
+    credit can reward the good turn inside it. {} when no turn is labelled."""
+    if batch.step_labels is None or not bool((batch.step_labels >= 0).any()):
         return {}
     mask = batch.action_mask
     turns = batch.turn_ids.long().clamp(min=0)
