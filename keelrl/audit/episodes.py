@@ -13,7 +13,7 @@ from keelrl.envs.base import Grade
 from keelrl.envs.coding import CodingEnv
 from keelrl.envs.tasks import Check, Task, shift_ints
 from keelrl.envs.teacher import edit_action
-from keelrl.envs.verifiers import Verifier, grading_files, run_checks, run_grader
+from keelrl.envs.verifiers import Verifier, checks_request, grading_files, run_checks, run_grader
 
 
 # ------------------------------------------------------------------------------ running probes
@@ -152,8 +152,7 @@ def _reference_checks(verifier: Verifier, task: Task, inputs: list[list[Any]]) -
     """The reference fix run on `inputs` in the verifier's sandbox -> (one check per input that
     expects what the fix did, or why it could not run). The fix is task data, possibly a user's:
     it runs in the sandbox like any candidate, never in this process."""
-    request = {"mode": "checks", "module": task.module, "function": task.entry_function, "calls": inputs,
-               "per_call_timeout": verifier.per_call_timeout, "off_limits": list(task.off_limits)}
+    request = checks_request(task, inputs, verifier.per_call_timeout)
     report, reason = run_grader(verifier.sandbox, grading_files(task, task.fixed_files()), request)
     if report is None:
         return [], f"the reference fix could not run: {reason}"

@@ -126,7 +126,7 @@ def check_env_section(env: EnvConfig, spec: EnvSpec) -> None:
             value = getattr(env, name)
             if (name not in spec.fields and value != getattr(defaults, name)
                     and not (name in other.obj.off and value == other.obj.off[name])):
-                raise ConfigError(name, f"{name}={getattr(env, name)!r} is a setting of {other.obj.label}, "
+                raise ConfigError(name, f"{name}={value!r} is a setting of {other.obj.label}, "
                                         f"which {spec.label} does not read; remove it (or choose "
                                         f"env.name={other.name})")
     if env.verifier not in spec.verifiers:

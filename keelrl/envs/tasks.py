@@ -39,6 +39,8 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
+"""A module's attribute, "posixpath.join" (an `off_limits` entry)."""
 """Matched with fullmatch: `$` would also accept a trailing newline ("retry_count\n")."""
 
 
@@ -167,8 +169,7 @@ def validate_task(task: Task, where: str | None = None) -> None:
     if not isinstance(task.brittle_phrase, str):
         raise TaskError(f"{where}.brittle_phrase: must be a string, got {_short(task.brittle_phrase)}")
     if not isinstance(task.off_limits, list) or not all(
-            isinstance(name, str) and len(name.split(".")) >= 2
-            and all(_IDENTIFIER.fullmatch(part) for part in name.split(".")) for name in task.off_limits):
+            isinstance(name, str) and _DOTTED.fullmatch(name) for name in task.off_limits):
         raise TaskError(f"{where}.off_limits: must be a list of dotted names like \"posixpath.join\", "
                         f"got {_short(task.off_limits)}")
     for name in ("files", "reference_fix", "wrong_fix"):

@@ -108,12 +108,18 @@ def _shown(outcome: Mapping[str, Any]) -> str:
     return repr(value) if outcome.get("type") != "tuple" else repr(tuple(value))
 
 
+def checks_request(task: Task, calls: Sequence[list[Any]], per_call_timeout: float) -> dict[str, Any]:
+    """The grader's request to call `task`'s entry function on each argument list of `calls`
+    (its "checks" mode), with the task's off-limits functions fenced. Public so that other code
+    (the audit running a reference fix) asks exactly as a verifier does."""
+    return {"mode": "checks", "module": task.module, "function": task.entry_function, "calls": list(calls),
+            "per_call_timeout": per_call_timeout, "off_limits": list(task.off_limits)}
+
+
 def run_checks(task: Task, files: Mapping[str, str], checks: Sequence[Check], sandbox: Sandbox,
                per_call_timeout: float = 2.0) -> list[CheckResult]:
     """Run `checks` against the candidate `files` in one sandboxed process."""
-    request = {"mode": "checks", "module": task.module, "function": task.entry_function,
-               "calls": [check.args for check in checks], "per_call_timeout": per_call_timeout,
-               "off_limits": list(task.off_limits)}
+    request = checks_request(task, [check.args for check in checks], per_call_timeout)
     report, reason = run_grader(sandbox, grading_files(task, files), request)
     if report is None:
         return [CheckResult(check.name, False, reason) for check in checks]
