@@ -389,8 +389,14 @@ class WarmStartConfig:
     (the coding teacher's wrong edit, the guessing teacher's random guesses) are left out of the
     loss but kept in the context, so the student learns to recover from a mistake without
     learning to make it."""
+    own_mistakes: int = 0
+    """After the demos, training tasks the warm-started student tries (one action each, at the
+    rollout temperature) to collect its own mistakes, in the manner of DAgger: each first edit
+    that fails a visible test is continued by the teacher (test, the real fix from that file
+    state, test, submit; its `recovery`), the student's edit is left out of the loss, and the
+    solved ones are a second round of demos. 0: no second round."""
     epochs: int = 1
-    """Passes over the demos."""
+    """Passes over the demos (and over the own-mistakes round's)."""
     lr: float = 3e-5
     """AdamW learning rate of the warm start."""
     batch_size: int = 4
@@ -400,6 +406,8 @@ class WarmStartConfig:
         _positive(epochs=self.epochs, lr=self.lr, batch_size=self.batch_size)
         if self.demos < 0:
             raise ConfigError("demos", f"must be >= 0, got {self.demos!r}")
+        if self.own_mistakes < 0:
+            raise ConfigError("own_mistakes", f"must be >= 0, got {self.own_mistakes!r}")
         if not 0 <= self.mistake_rate <= 1:
             raise ConfigError("mistake_rate", f"must be in [0, 1], got {self.mistake_rate!r}")
 

@@ -186,6 +186,16 @@ def test_coding_factories_take_the_config_and_evaluate_with_strong(tmp_path):
     assert isinstance(teacher, ScriptedTeacher) and teacher.read_first and teacher.success_rate == 1.0
 
 
+def test_the_own_mistakes_round_needs_a_teacher_that_can_continue_and_a_count_of_zero_or_more(tmp_path):
+    assert hasattr(resolve_env(load_config(overrides=[f"run_dir={tmp_path}", "warm_start.own_mistakes=8"]))
+                   .teacher(load_config()), "recovery")
+    with pytest.raises(ConfigError, match="warm_start.own_mistakes: the guessing game's teacher cannot continue"):
+        resolve_env(load_config(overrides=[f"run_dir={tmp_path}", "env.name=guess", "warm_start.own_mistakes=8",
+                                           "env.max_turns=3"]))
+    with pytest.raises(ConfigError, match="own_mistakes: must be >= 0, got -1"):
+        load_config(overrides=["warm_start.own_mistakes=-1"])
+
+
 def test_guess_factories_and_teacher(tmp_path):
     cfg = load_config(overrides=[f"run_dir={tmp_path}", "env.name=guess", "env.verifier=weak", "env.max_turns=3",
                                  "warm_start.mistake_rate=0.25", "seed=5"])

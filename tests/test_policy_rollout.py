@@ -304,6 +304,30 @@ def test_teacher_demonstrations_and_model_rollouts_collate_into_aligned_tensors(
     assert batch.rewards[:2].tolist() == [1.0, 1.0]
 
 
+def test_the_own_mistakes_round_continues_the_students_failing_edits_with_their_edit_masked(tiny):
+    from keelrl.train.warm_start import own_mistake_demos
+
+    _, tokenizer = tiny
+    task = retry_task()
+    wrong = '<call>replace 2\n    return config.get("retries", 3)\n</call>'
+    fixed = ('<call>replace 2\n    value = config.get("retries")\n    if value is None:\n'
+             '        return 3\n    return value\n</call>')
+    firsts = [wrong, fixed, "<call>test</call>", wrong]  # the student's first actions, one task each
+
+    def student(index: int):
+        return lambda prompt, turns: firsts[index] if not turns else "<call>submit</call>"
+
+    teacher = ScriptedTeacher(success_rate=1.0, mistake_rate=0.0, seed=0)
+    demos, continued = own_mistake_demos(teacher, [task] * 4, lambda: CodingEnv(max_turns=5, use_git=False),
+                                         limits(max_turns=5), tokenizer,
+                                         scripted_actor(tokenizer, [student(i) for i in range(4)]))
+    assert continued == 2 and len(demos) == 2  # the two wrong edits; the fix and the test are left alone
+    for demo in demos:
+        assert demo.success and demo.actions[:4] == [wrong, "<call>test</call>", fixed, "<call>test</call>"]
+        learned = {turn for turn, m in zip(demo.turn_ids, demo.action_mask) if m}
+        assert learned == {1, 2, 3, 4}  # the student's own edit (turn 0) is context only
+
+
 @pytest.mark.parametrize("kind", ["head", "separate", "success_token"])
 def test_every_critic_gives_aligned_values_and_trains_only_what_it_should(tiny, kind, tmp_path):
     from keelrl.policy.critic import build_critic

@@ -97,6 +97,31 @@ def test_the_warm_start_keeps_a_masked_mistake_in_context_but_out_of_the_loss():
     assert batch.input_ids[0].tolist() == list(range(12)) and int(batch.action_mask.sum()) == 3
 
 
+@pytest.mark.parametrize("first, continued", [
+    (TO_WRONG, True),  # fails test_none: test, the real fix from that file, test, submit
+    ('<call>replace 2\n    return config.get("retries", 3\n</call>', True),  # a syntax error: nothing imports
+    (TO_FIXED, False),  # passes every visible test: nothing to recover from
+    (TEST, False), (SUBMIT, False),  # not an edit
+    ("<call>replace 99\n    pass\n</call>", False),  # an edit the environment rejects
+    ("<call>replace 1\ndef retry_count(cfg):\n</call>", False),  # the fix would be an `edit` of lines 1-2
+])
+def test_the_teacher_continues_from_a_students_failing_edit_and_only_from_one(first, continued):
+    task = retry_task()
+    env = CodingEnv(max_turns=5, use_git=False)
+    env.reset(task)
+    policy = ScriptedTeacher(success_rate=0.0, mistake_rate=0.0, seed=0).recovery(task, first, env)
+    assert (policy is not None) == continued
+    if policy is None:
+        return
+    assert policy.plan.actions == [first, TEST, TO_FIXED, TEST, SUBMIT] and policy.mistake_turns == {0}
+    assert policy.plan.succeed and policy.plan.mistake
+    played = CodingEnv(max_turns=5, use_git=False)
+    episode = run_episode(played, task, policy)
+    assert episode.grade.success and episode.termination == "submitted"
+    assert episode.turns[1].observation.startswith("tests") and " 0 failed" not in episode.turns[1].observation
+    assert " 0 failed" in episode.turns[3].observation
+
+
 def test_without_a_wrong_fix_a_failing_plan_tests_the_buggy_code_and_submits():
     task = dataclasses.replace(retry_task(), wrong_fix={})
     plans = [ScriptedTeacher(success_rate=0.0, mistake_rate=1.0, seed=seed).plan(task) for seed in range(5)]

@@ -103,6 +103,35 @@ def test_bad_config_fails_before_any_work(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def test_the_warm_starts_own_mistakes_round_trains_on_the_teachers_continuations(tiny_model_dir, tmp_path,
+                                                                                  monkeypatch):
+    import math
+
+    import keelrl.train.trainer as trainer_module
+    from keelrl.envs.teacher import moves
+
+    def wrong_first(model, tokenizer, sampling):  # the student: every task's plausible wrong fix, then its fix
+        def act(active):
+            out = []
+            for episode in active:
+                task = episode.request.task
+                text = moves(dict(task.files), task.wrong_fix or task.reference_fix, task.entry_file)[0]
+                tokens = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+                out.append((tokens, [0.0] * len(tokens), text))
+            return out
+        return act
+
+    monkeypatch.setattr(trainer_module, "model_actor", wrong_first)
+    cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", *FAST,
+                                 "env.max_turns=5", "warm_start.own_mistakes=6"])
+    out = Trainer(cfg).warm_start()
+    assert out["warm_start/own_tried"] == 6
+    # a wrong fix the visible tests catch is continued (some pass them: those fail only a hidden check)
+    assert 0 < out["warm_start/own_continued"] <= 6
+    assert out["warm_start/own_demos"] == out["warm_start/own_continued"]  # the teacher's fix always solves
+    assert math.isfinite(out["warm_start/own_final_loss"])
+
+
 def test_a_non_finite_loss_is_skipped_counted_and_logged(tiny_model_dir, tmp_path, monkeypatch):
     import torch
 

@@ -137,10 +137,15 @@ def check_env_section(env: EnvConfig, spec: EnvSpec) -> None:
 
 
 def check_run_config(cfg: KeelConfig, spec: EnvSpec) -> None:
-    """What the rest of the run config needs of `spec` (dotted fields): a teacher for the warm start."""
+    """What the rest of the run config needs of `spec` (dotted fields): a teacher for the warm start,
+    one that can continue from a student's edit (`recovery`) for its own-mistakes round."""
     if cfg.warm_start.demos > 0 and spec.teacher is None:
         raise ConfigError("warm_start.demos", f"{spec.label} has no scripted teacher to demonstrate the warm "
                                               f"start; set warm_start.demos=0")
+    if cfg.warm_start.demos > 0 and cfg.warm_start.own_mistakes > 0 and spec.teacher is not None \
+            and not hasattr(spec.teacher(cfg), "recovery"):
+        raise ConfigError("warm_start.own_mistakes", f"{spec.label}'s teacher cannot continue from a student's "
+                                                     f"action (it has no `recovery`); set warm_start.own_mistakes=0")
 
 
 def resolve_env(cfg: KeelConfig, env: EnvSpec | None = None) -> EnvSpec:

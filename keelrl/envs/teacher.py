@@ -17,6 +17,12 @@ first action is already the fix (or the mistake). A policy names the turns of it
 Edits are computed from the difference between the current file and the target file: one
 `replace` when a single line changes, otherwise one `edit` of the changed block. The teacher
 supplies warm-start demonstrations and a predictable policy for rollout-loop tests.
+
+`recovery` continues from the student's own first edit instead of the task's wrong fix (the
+warm start's `own_mistakes` round, in the manner of DAgger: the expert labels the states the
+learner reaches):
+
+    student's edit (fails a visible test) -> test -> real fix from that file state -> test -> submit
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from keelrl.envs.base import Turn
-from keelrl.envs.coding import count_occurrences, split_lines
+from keelrl.envs.coding import CodingEnv, count_occurrences, split_lines, visible_counts
 from keelrl.envs.tasks import Task
 
 
@@ -60,6 +66,23 @@ def edit_action(path: str, current: str, target: str, *, default_path: str) -> s
     old_block = "\n".join(old_lines[start:end])
     new_block = "\n".join(old_lines[start:first_old] + changed + old_lines[last_old:end])
     return f"<call>edit{path_arg}\n{old_block}\n>>>\n{new_block}\n</call>"
+
+
+def moves(files: dict[str, str], target_files: dict[str, str], default_path: str) -> list[str]:
+    """The edits (`edit_action`, one per changed file, in path order) taking `files` to
+    `target_files`; `files` is updated in place."""
+    actions = []
+    for path in sorted(target_files):
+        action = edit_action(path, files.get(path, ""), target_files[path], default_path=default_path)
+        if action is not None:
+            actions.append(action)
+            files[path] = target_files[path]
+    return actions
+
+
+def _tool(action: str) -> str:
+    """The tool an `edit_action` call names (`replace`, `edit`)."""
+    return action.removeprefix("<call>").split(None, 1)[0]
 
 
 @dataclass
@@ -97,25 +120,40 @@ class ScriptedTeacher:
         actions = ["<call>read</call>"] if self.read_first else []
         mistake_turns: frozenset[int] = frozenset()
 
-        def move_to(target_files: dict[str, str]) -> None:
-            for path in sorted(target_files):
-                action = edit_action(path, files.get(path, ""), target_files[path], default_path=task.entry_file)
-                if action is not None:
-                    actions.append(action)
-                    files[path] = target_files[path]
-
         if mistake:
             first = len(actions)
-            move_to(task.wrong_fix)
+            actions += moves(files, task.wrong_fix, task.entry_file)
             mistake_turns = frozenset(range(first, len(actions)))
             actions.append("<call>test</call>")
         if succeed:
-            move_to(task.reference_fix)
+            actions += moves(files, task.reference_fix, task.entry_file)
             actions.append("<call>test</call>")
         elif not mistake:
             actions.append("<call>test</call>")
         actions.append("<call>submit</call>")
         return TeacherPlan(succeed=succeed, mistake=mistake, actions=actions, mistake_turns=mistake_turns)
+
+    def recovery(self, task: Task, first_action: str, env: CodingEnv) -> "ScriptedPolicy | None":
+        """A policy replaying a student's `first_action` on `task`, then the teacher's continuation,
+        which it plans by playing the action in `env` (just reset on `task`): test, the real fix
+        from the file state the action left, test, submit; the student's action is the plan's
+        mistake (turn 0). None when there is nothing to recover from (the action is not an edit
+        the environment accepted, or its file passes every visible test), and when the fix from
+        that file takes other tools than the fix from the task's file: a student's edit elsewhere
+        turns a one-line `replace` into an `edit` of a block, a form the clean demonstrations do
+        not teach and that often overruns the action's token budget."""
+        _, done, info = env.step(first_action)
+        if done or "error" in info or info.get("tool") not in ("replace", "edit"):
+            return None
+        files = env.current_files()
+        passed, total = visible_counts(task, files, env.sandbox)
+        if total and passed == total:
+            return None
+        fix = moves(files, task.reference_fix, task.entry_file)
+        if [_tool(a) for a in fix] != [_tool(a) for a in moves(dict(task.files), task.reference_fix, task.entry_file)]:
+            return None  # a fix of another form than the clean path's (an `edit` block for a `replace`)
+        actions = [first_action, "<call>test</call>", *fix, "<call>test</call>", "<call>submit</call>"]
+        return ScriptedPolicy(TeacherPlan(succeed=True, mistake=True, actions=actions, mistake_turns=frozenset({0})))
 
     def policy(self, task: Task) -> "ScriptedPolicy":
         """A `Policy` callable for one episode of `task`."""

@@ -235,7 +235,8 @@ class Trainer:
     def warm_start(self) -> dict[str, float]:
         """SFT on the scripted teacher's successful trajectories over training tasks (keelrl.train.warm_start)."""
         return warm_start(self.cfg, self.env_spec, self.train_tasks, self._env(training=True), self._limits(),
-                          self.tokenizer, self.learner, self.progress)
+                          self.tokenizer, self.learner, self.progress,
+                          student=lambda: model_actor(self.model, self.tokenizer, self.rollout_sampling()))
 
     def evaluate(self, tasks: Sequence[Task] | None = None) -> dict[str, float]:
         """Held-out success with the strong verifier, one attempt per task (keelrl.train.evaluation)."""

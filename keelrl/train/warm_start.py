@@ -7,10 +7,19 @@ the context, unless `warm_start.imitate_mistakes`. The policy then
 takes `warm_start.epochs` passes over them in batches of `warm_start.batch_size`, each one
 update of the token-mean negative log-likelihood of the action tokens, run in the learner's
 micro-batches (`Learner.sft_update`), with its own AdamW at `warm_start.lr`.
+
+With `warm_start.own_mistakes`, a second round follows in the manner of DAgger (Ross, Gordon
+and Bagnell 2011: the expert labels the states the learner reaches). The student, warm-started,
+takes one action on each of that many further training tasks; where that action is an edit
+that fails a visible test, the teacher continues from the file it left (`recovery`: test, the
+real fix, test, submit). The solved continuations, the student's edit masked, are trained on as
+the demos were. The first round's mistakes are the task's one plausible wrong fix; the student's
+own first edits are other mistakes, and after them it had not learned what to do.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from typing import Any, Callable, Iterable, Sequence
@@ -18,17 +27,19 @@ from typing import Any, Callable, Iterable, Sequence
 
 from keelrl.config import KeelConfig
 from keelrl.envs.registry import EnvSpec
-from keelrl.rollout.agent_loop import EpisodeLimits, run_episodes, scripted_actor
+from keelrl.rollout.agent_loop import ActFn, EpisodeLimits, run_episodes, scripted_actor
 from keelrl.rollout.trajectory import Trajectory, collate
 from keelrl.train.learner import Learner, adamw
 
 
 def warm_start(cfg: KeelConfig, env_spec: EnvSpec, train_tasks: Sequence[Any], make_env: Callable[[], Any],
                rollout: EpisodeLimits, tokenizer: Any, learner: Learner,
-               progress: Callable[[str, dict[str, Any]], None]) -> dict[str, float]:
+               progress: Callable[[str, dict[str, Any]], None],
+               student: Callable[[], ActFn] | None = None) -> dict[str, float]:
     """Run the warm start (module docstring) on `learner`'s policy; -> its metrics ({} when
     warm_start.demos is 0). `make_env` builds the training environments, `rollout` (one
-    attempt per task) how the demonstrations are played."""
+    attempt per task) how the demonstrations are played, `student` the actor sampling the
+    policy for the own-mistakes round (required when warm_start.own_mistakes > 0)."""
     ws = cfg.warm_start
     if ws.demos == 0:
         return {}
@@ -48,16 +59,71 @@ def warm_start(cfg: KeelConfig, env_spec: EnvSpec, train_tasks: Sequence[Any], m
                            f"(env.max_turns={cfg.env.max_turns} may be too few for the task)")
     progress("warm_start", {"demos": len(demos), **({} if ws.imitate_mistakes else {"masked_turns": masked})})
     optimizer = adamw(list(learner.model.parameters()), lr=ws.lr, weight_decay=0.01)  # torch's AdamW default
-    learner.model.train()
-    losses = []
-    for epoch in range(ws.epochs):
-        rng.shuffle(demos)
-        for start in range(0, len(demos), ws.batch_size):
-            batch = collate(demos[start:start + ws.batch_size], tokenizer.pad_token_id).to(learner.device)
-            losses.append(learner.sft_update(batch, optimizer))
-        progress("warm_start_epoch", {"epoch": epoch + 1, "loss": losses[-1]})
+    losses = _sft(demos, ws.epochs, ws.batch_size, tokenizer, learner, optimizer, rng, progress, "warm_start_epoch")
     out = {"warm_start/demos": len(demos), "warm_start/final_loss": losses[-1] if losses else math.nan}
-    return out if ws.imitate_mistakes else {**out, "warm_start/masked_turns": masked}
+    if not ws.imitate_mistakes:
+        out["warm_start/masked_turns"] = masked
+    if ws.own_mistakes > 0:
+        if student is None:
+            raise ValueError("warm_start.own_mistakes > 0 needs `student`, an actor sampling the policy")
+        more = [train_tasks[(ws.demos + i) % len(train_tasks)] for i in range(ws.own_mistakes)]
+        rng.shuffle(more)
+        learner.model.eval()
+        own, continued = own_mistake_demos(teacher, more, make_env, rollout, tokenizer, student(), seed=cfg.seed)
+        progress("warm_start_own_mistakes", {"tried": len(more), "continued": continued, "demos": len(own)})
+        losses = _sft(own, ws.epochs, ws.batch_size, tokenizer, learner, optimizer, rng, progress,
+                      "warm_start_own_epoch")
+        out.update({"warm_start/own_tried": len(more), "warm_start/own_continued": continued,
+                    "warm_start/own_demos": len(own)})
+        if losses:
+            out["warm_start/own_final_loss"] = losses[-1]
+    return out
+
+
+def own_mistake_demos(teacher: Any, tasks: Sequence[Any], make_env: Callable[[], Any], rollout: EpisodeLimits,
+                      tokenizer: Any, act: ActFn, seed: int = 0) -> tuple[list[Trajectory], int]:
+    """The own-mistakes round's demonstrations (module docstring): `act` takes one action on each
+    of `tasks`; the teacher's `recovery` continues the ones it can, each played in full under
+    `rollout`, and the solved ones are returned with their first (the student's) turn masked.
+    -> (demos, how many first actions the teacher continued)."""
+    firsts = run_episodes(make_env, tasks, tokenizer, act, dataclasses.replace(rollout, max_turns=1), seed=seed)
+    picked, policies = [], []
+    env = make_env()
+    try:
+        for task, first in zip(tasks, firsts):
+            if not first.actions:  # no room for an action (context limit)
+                continue
+            env.reset(task)
+            policy = teacher.recovery(task, first.actions[0], env)
+            if policy is not None:
+                picked.append(task)
+                policies.append(policy)
+    finally:
+        env.close()
+    if not policies:
+        return [], 0
+    played = run_episodes(make_env, picked, tokenizer, scripted_actor(tokenizer, policies), rollout, seed=seed)
+    demos = [demo for demo in played if demo.success]
+    for demo in demos:
+        mask_turns(demo, {0})
+    return demos, len(policies)
+
+
+def _sft(demos: list[Trajectory], epochs: int, batch_size: int, tokenizer: Any, learner: Learner, optimizer: Any,
+         rng: random.Random, progress: Callable[[str, dict[str, Any]], None], event: str) -> list[float]:
+    """`epochs` passes over `demos` in shuffled batches of `batch_size`, one `sft_update` each;
+    -> the losses."""
+    learner.model.train()
+    losses: list[float] = []
+    if not demos:
+        return losses
+    for epoch in range(epochs):
+        rng.shuffle(demos)
+        for start in range(0, len(demos), batch_size):
+            batch = collate(demos[start:start + batch_size], tokenizer.pad_token_id).to(learner.device)
+            losses.append(learner.sft_update(batch, optimizer))
+        progress(event, {"epoch": epoch + 1, "loss": losses[-1]})
+    return losses
 
 
 def mask_turns(trajectory: Trajectory, turns: Iterable[int]) -> int:
