@@ -394,7 +394,7 @@ class WarmStartConfig:
     rollout temperature) to collect its own mistakes, in the manner of DAgger: each first edit
     that fails a visible test is continued by the teacher (test, the real fix from that file
     state, test, submit; its `recovery`), the student's edit is left out of the loss, and the
-    solved ones are a second round of demos. 0: no second round."""
+    solved ones, with as many of the first round's demos, are a second round. 0: no second round."""
     epochs: int = 1
     """Passes over the demos (and over the own-mistakes round's)."""
     lr: float = 3e-5

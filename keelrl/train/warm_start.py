@@ -13,8 +13,9 @@ and Bagnell 2011: the expert labels the states the learner reaches). The student
 takes one action on each of that many further training tasks; where that action is an edit
 that fails a visible test, the teacher continues from the file it left (`recovery`: test, the
 real fix, test, submit). The solved continuations, the student's edit masked, are trained on as
-the demos were. The first round's mistakes are the task's one plausible wrong fix; the student's
-own first edits are other mistakes, and after them it had not learned what to do.
+the demos were, mixed with as many of the first round's demos (so that a passing test is still
+seen followed by `submit`). The first round's mistakes are the task's one plausible wrong fix;
+the student's own first edits are other mistakes, and after them it had not learned what to do.
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ def warm_start(cfg: KeelConfig, env_spec: EnvSpec, train_tasks: Sequence[Any], m
         learner.model.eval()
         own, continued = own_mistake_demos(teacher, more, make_env, rollout, tokenizer, student(), seed=cfg.seed)
         progress("warm_start_own_mistakes", {"tried": len(more), "continued": continued, "demos": len(own)})
-        losses = _sft(own, ws.epochs, ws.batch_size, tokenizer, learner, optimizer, rng, progress,
+        # as many of the first round's demos beside them: a passing test is still followed by submit
+        mixed = own + rng.sample(demos, min(len(own), len(demos)))
+        losses = _sft(mixed, ws.epochs, ws.batch_size, tokenizer, learner, optimizer, rng, progress,
                       "warm_start_own_epoch")
         out.update({"warm_start/own_tried": len(more), "warm_start/own_continued": continued,
                     "warm_start/own_demos": len(own)})
