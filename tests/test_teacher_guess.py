@@ -105,9 +105,10 @@ def test_the_warm_start_keeps_a_masked_mistake_in_context_but_out_of_the_loss():
     ("<call>replace 99\n    pass\n</call>", False),  # an edit the environment rejects
     ("<call>replace 1\ndef retry_count(cfg):\n</call>", False),  # the fix would be an `edit` of lines 1-2
 ])
-def test_the_teacher_continues_from_a_students_failing_edit_and_only_from_one(first, continued):
+@pytest.mark.parametrize("shaping", [0.0, 1.0])  # 1.0: the step's own visible-test counts are used
+def test_the_teacher_continues_from_a_students_failing_edit_and_only_from_one(first, continued, shaping):
     task = retry_task()
-    env = CodingEnv(max_turns=5, use_git=False)
+    env = CodingEnv(max_turns=5, use_git=False, shaping=shaping)
     env.reset(task)
     policy = ScriptedTeacher(success_rate=0.0, mistake_rate=0.0, seed=0).recovery(task, first, env)
     assert (policy is not None) == continued

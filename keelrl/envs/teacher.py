@@ -146,7 +146,9 @@ class ScriptedTeacher:
         if done or "error" in info or info.get("tool") not in ("replace", "edit"):
             return None
         files = env.current_files()
-        passed, total = visible_counts(task, files, env.sandbox)
+        # with shaping on, the step has just run the visible tests on these files
+        passed, total = ((info["visible_passed"], info["visible_total"]) if "visible_total" in info
+                         else visible_counts(task, files, env.sandbox))
         if total and passed == total:
             return None
         fix = moves(files, task.reference_fix, task.entry_file)
