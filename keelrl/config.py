@@ -38,7 +38,7 @@ TINY_RUN: tuple[str, ...] = (
     "optim.warmup_steps=2", "train.minibatch_size=16", "eval.every=5", "eval.tasks=150",
     "eval.base=false", "perf.learner_precision=float32", "rollout.temperature=1.0",
     "perf.micro_batch_tokens=4096", "eval.dtype=float32",
-    "algo.preset=grpo", "env.shaping=0",
+    "algo.preset=grpo", "env.shaping=0", "warm_start.own_mistakes=0",
 )
 """The built-in tiny model's recipe (the default run before SmolLM2 became it): a random byte
 model that learns the multi-turn tool format from many demos at a high learning rate. The labs
@@ -389,12 +389,14 @@ class WarmStartConfig:
     (the coding teacher's wrong edit, the guessing teacher's random guesses) are left out of the
     loss but kept in the context, so the student learns to recover from a mistake without
     learning to make it."""
-    own_mistakes: int = 0
+    own_mistakes: int = 128
     """After the demos, training tasks the warm-started student tries (one action each, at the
     rollout temperature) to collect its own mistakes, in the manner of DAgger: each first edit
     that fails a visible test is continued by the teacher (test, the real fix from that file
     state, test, submit; its `recovery`), the student's edit is left out of the loss, and the
-    solved ones, with as many of the first round's demos, are a second round. 0: no second round."""
+    solved ones, with as many of the first round's demos, are a second round. 0: no second round.
+    The default is skipped where the teacher cannot continue (no `recovery`, or env.max_turns
+    below its `recovery_turns`: the coding teacher needs 5); another value there is an error."""
     epochs: int = 1
     """Passes over the demos (and over the own-mistakes round's)."""
     lr: float = 3e-5

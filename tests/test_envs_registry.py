@@ -18,7 +18,7 @@ from keelrl.config import TINY_RUN, load_config
 from keelrl.envs import ENVIRONMENTS, CheckResult, EnvSpec, Grade, check_env, env_spec, register_env
 from keelrl.envs.coding import CodingEnv, CodingEnvFactory
 from keelrl.envs.guess import BinarySearchTeacher, GuessEnvFactory
-from keelrl.envs.registry import coding_hidden_paths, resolve_env, split_tasks
+from keelrl.envs.registry import coding_hidden_paths, resolve_env, runs_own_mistakes, split_tasks
 from keelrl.envs.teacher import ScriptedTeacher
 from keelrl.envs.tools import ActionError, ToolSpec, parse_action
 from keelrl.errors import ConfigError
@@ -186,14 +186,27 @@ def test_coding_factories_take_the_config_and_evaluate_with_strong(tmp_path):
     assert isinstance(teacher, ScriptedTeacher) and teacher.read_first and teacher.success_rate == 1.0
 
 
-def test_the_own_mistakes_round_needs_a_teacher_that_can_continue_and_a_count_of_zero_or_more(tmp_path):
-    assert hasattr(resolve_env(load_config(overrides=[f"run_dir={tmp_path}", "warm_start.own_mistakes=8"]))
-                   .teacher(load_config()), "recovery")
+def test_the_own_mistakes_round_needs_a_teacher_that_can_continue_within_the_turns_and_a_count_of_zero_or_more(
+        tmp_path):
+    base = [f"run_dir={tmp_path}"]
+    coding = load_config(overrides=[*base, "warm_start.own_mistakes=8"])
+    assert runs_own_mistakes(coding, resolve_env(coding).teacher(coding))
     with pytest.raises(ConfigError, match="warm_start.own_mistakes: the guessing game's teacher cannot continue"):
-        resolve_env(load_config(overrides=[f"run_dir={tmp_path}", "env.name=guess", "warm_start.own_mistakes=8",
-                                           "env.max_turns=3"]))
+        resolve_env(load_config(overrides=[*base, "env.name=guess", "warm_start.own_mistakes=8", "env.max_turns=3"]))
+    with pytest.raises(ConfigError, match="warm_start.own_mistakes: the teacher's continuations take at least 5 "
+                                          "turns, and env.max_turns is 4"):
+        resolve_env(load_config(overrides=[*base, "warm_start.own_mistakes=8", "env.max_turns=4"]))
     with pytest.raises(ConfigError, match="own_mistakes: must be >= 0, got -1"):
         load_config(overrides=["warm_start.own_mistakes=-1"])
+    # the default (128) is not a setting: where the teacher cannot continue, there is no round
+    assert load_config().warm_start.own_mistakes == 128
+    for overrides in (["env.name=guess", "env.max_turns=3"], ["env.max_turns=4"], ["env.max_turns=1"]):
+        cfg = load_config(overrides=[*base, *overrides])
+        assert not runs_own_mistakes(cfg, resolve_env(cfg).teacher(cfg)), overrides
+    for overrides in (["warm_start.own_mistakes=0"], ["warm_start.demos=0", "warm_start.own_mistakes=8"]):
+        cfg = load_config(overrides=[*base, *overrides])
+        assert resolve_env(cfg) and not runs_own_mistakes(cfg, ScriptedTeacher())
+    assert runs_own_mistakes(load_config(overrides=base), ScriptedTeacher())
 
 
 def test_guess_factories_and_teacher(tmp_path):

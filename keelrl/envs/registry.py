@@ -137,15 +137,34 @@ def check_env_section(env: EnvConfig, spec: EnvSpec) -> None:
 
 
 def check_run_config(cfg: KeelConfig, spec: EnvSpec) -> None:
-    """What the rest of the run config needs of `spec` (dotted fields): a teacher for the warm start,
-    one that can continue from a student's edit (`recovery`) for its own-mistakes round."""
+    """What the rest of the run config needs of `spec` (dotted fields): a teacher for the warm start;
+    for its own-mistakes round set to other than its default, one that can continue from a
+    student's action (`recovery`) within env.max_turns (the default is skipped where that is
+    missing: `runs_own_mistakes`)."""
     if cfg.warm_start.demos > 0 and spec.teacher is None:
         raise ConfigError("warm_start.demos", f"{spec.label} has no scripted teacher to demonstrate the warm "
                                               f"start; set warm_start.demos=0")
-    if cfg.warm_start.demos > 0 and cfg.warm_start.own_mistakes > 0 and spec.teacher is not None \
-            and not hasattr(spec.teacher(cfg), "recovery"):
+    own = cfg.warm_start.own_mistakes
+    if cfg.warm_start.demos == 0 or own == 0 or own == type(cfg.warm_start)().own_mistakes or spec.teacher is None:
+        return
+    teacher = spec.teacher(cfg)
+    if not hasattr(teacher, "recovery"):
         raise ConfigError("warm_start.own_mistakes", f"{spec.label}'s teacher cannot continue from a student's "
                                                      f"action (it has no `recovery`); set warm_start.own_mistakes=0")
+    turns = getattr(teacher, "recovery_turns", 1)
+    if cfg.env.max_turns < turns:
+        raise ConfigError("warm_start.own_mistakes", f"the teacher's continuations take at least "
+                                                     f"{turns} turns, and env.max_turns is "
+                                                     f"{cfg.env.max_turns}; set warm_start.own_mistakes=0")
+
+
+def runs_own_mistakes(cfg: KeelConfig, teacher: Any) -> bool:
+    """Whether the warm start's own-mistakes round runs: a warm start (warm_start.demos > 0),
+    warm_start.own_mistakes > 0, a teacher with `recovery` (and its `recovery_turns`) and
+    env.max_turns room for its shortest continuation. Only the field's default gets here without
+    them (`check_run_config` refuses another value), and it then means no round."""
+    return (cfg.warm_start.demos > 0 and cfg.warm_start.own_mistakes > 0 and hasattr(teacher, "recovery")
+            and cfg.env.max_turns >= getattr(teacher, "recovery_turns", 1))
 
 
 def resolve_env(cfg: KeelConfig, env: EnvSpec | None = None) -> EnvSpec:

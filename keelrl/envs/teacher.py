@@ -100,6 +100,10 @@ class TeacherPlan:
 class ScriptedTeacher:
     """A policy over `CodingEnv` with a configurable success rate (see the module docstring)."""
 
+    recovery_turns = 5
+    """The fewest turns a `recovery` continuation takes: the student's edit, test, a one-move fix,
+    test, submit. The warm start's own-mistakes round needs env.max_turns at least this."""
+
     def __init__(self, success_rate: float = 0.8, mistake_rate: float = 0.5, seed: int = 0,
                  read_first: bool = True) -> None:
         for name, value in (("success_rate", success_rate), ("mistake_rate", mistake_rate)):

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 
 from keelrl.config import KeelConfig
-from keelrl.envs.registry import EnvSpec
+from keelrl.envs.registry import EnvSpec, runs_own_mistakes
 from keelrl.rollout.agent_loop import ActFn, EpisodeLimits, run_episodes, scripted_actor
 from keelrl.rollout.trajectory import Trajectory, collate
 from keelrl.train.learner import Learner, adamw
@@ -64,7 +64,7 @@ def warm_start(cfg: KeelConfig, env_spec: EnvSpec, train_tasks: Sequence[Any], m
     out = {"warm_start/demos": len(demos), "warm_start/final_loss": losses[-1] if losses else math.nan}
     if not ws.imitate_mistakes:
         out["warm_start/masked_turns"] = masked
-    if ws.own_mistakes > 0:
+    if runs_own_mistakes(cfg, teacher):
         if student is None:
             raise ValueError("warm_start.own_mistakes > 0 needs `student`, an actor sampling the policy")
         more = [train_tasks[(ws.demos + i) % len(train_tasks)] for i in range(ws.own_mistakes)]
@@ -86,8 +86,8 @@ def warm_start(cfg: KeelConfig, env_spec: EnvSpec, train_tasks: Sequence[Any], m
 def own_mistake_demos(teacher: Any, tasks: Sequence[Any], make_env: Callable[[], Any], rollout: EpisodeLimits,
                       tokenizer: Any, act: ActFn, seed: int = 0) -> tuple[list[Trajectory], int]:
     """The own-mistakes round's demonstrations (module docstring): `act` takes one action on each
-    of `tasks`; the teacher's `recovery` continues the ones it can, each played in full under
-    `rollout`, and the solved ones are returned with their first (the student's) turn masked.
+    of `tasks`; the teacher's `recovery` continues the ones it can within rollout.max_turns,
+    each played in full under `rollout`, and the solved ones are returned with their first (the student's) turn masked.
     -> (demos, how many first actions the teacher continued)."""
     firsts = run_episodes(make_env, tasks, tokenizer, act, dataclasses.replace(rollout, max_turns=1), seed=seed)
     picked, policies = [], []
@@ -98,7 +98,7 @@ def own_mistake_demos(teacher: Any, tasks: Sequence[Any], make_env: Callable[[],
                 continue
             env.reset(task)
             policy = teacher.recovery(task, first.actions[0], env)
-            if policy is not None:
+            if policy is not None and len(policy.plan.actions) <= rollout.max_turns:
                 picked.append(task)
                 policies.append(policy)
     finally:
