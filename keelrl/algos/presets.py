@@ -77,11 +77,13 @@ _PRESET_LIST = [
     Preset("dr_grpo", "Liu et al. 2025 (Understanding R1-Zero-like training)",
            {"advantage": "dr_grpo", "aggregation": "constant", "norm_by_std": False, "agg_constant": 1024},
            note="no std division; loss normalised by B x agg_constant: set it to your max generated tokens"),
-    Preset("turn_rloo", "Kool et al. 2019's leave-one-out baseline, per turn index; GRPO's KL",
+    Preset("turn_rloo", "Kool et al. 2019's leave-one-out baseline, per turn index; GRPO's KL; DAPO's "
+           "dynamic sampling (Yu et al. 2025)",
            {"advantage": "turn_rloo", "aggregation": "seq_mean_token_mean", "kl_coef": 0.04,
-            "kl_estimator": "k3"},
+            "kl_estimator": "k3", "dynamic_sampling": True},
            note="the default: each turn's reward-to-go against the group's other episodes at that turn; "
-                "without per-turn rewards (env.shaping) each turn's reward-to-go is the outcome"),
+                "without per-turn rewards (env.shaping) each turn's reward-to-go is the outcome; DAPO's "
+                "dynamic sampling refills groups whose rewards are all equal"),
     Preset("rloo", "Kool et al. 2019; Ahmadian et al. 2024",
            {"advantage": "rloo", "aggregation": "seq_mean_token_mean"},
            note="PPO clip for multi-epoch reuse; Ahmadian et al. use on-policy REINFORCE with KL in the reward"),

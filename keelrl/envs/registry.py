@@ -148,14 +148,14 @@ def check_run_config(cfg: KeelConfig, spec: EnvSpec) -> None:
     if cfg.warm_start.demos == 0 or own == 0 or own == type(cfg.warm_start)().own_mistakes or spec.teacher is None:
         return
     teacher = spec.teacher(cfg)
+    if runs_own_mistakes(cfg, teacher):
+        return
     if not hasattr(teacher, "recovery"):
         raise ConfigError("warm_start.own_mistakes", f"{spec.label}'s teacher cannot continue from a student's "
                                                      f"action (it has no `recovery`); set warm_start.own_mistakes=0")
-    turns = getattr(teacher, "recovery_turns", 1)
-    if cfg.env.max_turns < turns:
-        raise ConfigError("warm_start.own_mistakes", f"the teacher's continuations take at least "
-                                                     f"{turns} turns, and env.max_turns is "
-                                                     f"{cfg.env.max_turns}; set warm_start.own_mistakes=0")
+    raise ConfigError("warm_start.own_mistakes", f"the teacher's continuations take at least "
+                                                 f"{getattr(teacher, 'recovery_turns', 1)} turns, and env.max_turns "
+                                                 f"is {cfg.env.max_turns}; set warm_start.own_mistakes=0")
 
 
 def runs_own_mistakes(cfg: KeelConfig, teacher: Any) -> bool:
