@@ -15,7 +15,9 @@ evaluation on the same tasks, greedy. Timed: the sum of `time/step_s` over the s
 first. Held-out: each run's success before and after, and async's final success less sync's,
 paired over the same tasks with its standard error; "equal" means within 2 standard errors.
 
-Both runs use the GRPO preset with `algo.kl_is_weight=true`: its k3 reference-KL term is then
+Both runs use the default preset's loss (GRPO's clip and k3 KL) without dynamic sampling (the
+same rollouts for both; the warm start's first round only), with `algo.kl_is_weight=true`: its
+k3 reference-KL term is then
 weighted by pi / mu. Without it, k3 on samples one update stale can explode and take held-out
 success with it, as it did in the first async run here
 (docs/measurements.md#kl-to-the-reference-on-stale-samples). For the sync run the weight is 1 up
@@ -100,7 +102,7 @@ def common_overrides(args: argparse.Namespace, model: str, run_dir: Path) -> lis
             f"train.steps={args.steps}", f"rollout.tasks_per_step={args.tasks_per_step}",
             f"rollout.group_size={args.group}", f"train.minibatch_size={args.tasks_per_step * args.group}",
             f"eval.tasks={args.eval_tasks}", "eval.every=1000", "eval.base=false",
-            "algo.kl_is_weight=true",
+            "algo.kl_is_weight=true", "algo.dynamic_sampling=false", "warm_start.own_mistakes=0",
             "output.checkpoint_every=1000", "rollout.env_threads=32", *(tiny if args.smoke else [])]
 
 

@@ -36,9 +36,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
     parser.add_argument("--smoke", action="store_true", help="the test's tiny size")
     args = parser.parse_args(argv)
     out = Path(args.out)
-    # The guessing-game labs' recipe (`keel lab credit`); --smoke: their --quick size.
+    # The credit lab's recipe (`keel lab credit`), the warm starts' first round only; --smoke: its
+    # --quick size.
     base = [*lab_settings("credit", [f"model.path={args.model}"] if args.model else [], quick=args.smoke),
-            "algo.preset=grpo"]
+            "algo.preset=grpo", "warm_start.own_mistakes=0"]
     smoke = QUICK if args.smoke else []
 
     models = {}

@@ -150,7 +150,8 @@ def _zero_advantage(monitor: AlarmMonitor, step: int) -> Finding | None:
         return None
     return ({"zero_advantage_frac": last[-1]},
             f"{last[-1]:.0%} of groups had all-equal rewards ({key}) for {len(last)} steps: "
-            f"they teach nothing (harder/easier tasks, partial credit, or dynamic sampling)")
+            f"they teach nothing (harder/easier tasks, partial credit, or dynamic sampling, or more "
+            f"extra groups for it: rollout.dynamic_max_extra_groups)")
 
 
 @ALARMS.register("importance_weight", summary="an importance weight above is_weight_max")

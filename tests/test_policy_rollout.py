@@ -326,6 +326,11 @@ def test_the_own_mistakes_round_continues_the_students_failing_edits_with_their_
         assert demo.success and demo.actions[:4] == [wrong, "<call>test</call>", fixed, "<call>test</call>"]
         learned = {turn for turn, m in zip(demo.turn_ids, demo.action_mask) if m}
         assert learned == {1, 2, 3, 4}  # the student's own edit (turn 0) is context only
+    # a continuation of five actions (edit, test, fix, test, submit) does not fit four turns: skipped
+    short = own_mistake_demos(teacher, [task] * 4, lambda: CodingEnv(max_turns=4, use_git=False),
+                              limits(max_turns=4), tokenizer,
+                              scripted_actor(tokenizer, [student(i) for i in range(4)]))
+    assert short == ([], 0)
 
 
 @pytest.mark.parametrize("kind", ["head", "separate", "success_token"])

@@ -153,9 +153,10 @@ def check_run_config(cfg: KeelConfig, spec: EnvSpec) -> None:
     if not hasattr(teacher, "recovery"):
         raise ConfigError("warm_start.own_mistakes", f"{spec.label}'s teacher cannot continue from a student's "
                                                      f"action (it has no `recovery`); set warm_start.own_mistakes=0")
-    raise ConfigError("warm_start.own_mistakes", f"the teacher's continuations take at least "
-                                                 f"{getattr(teacher, 'recovery_turns', 1)} turns, and env.max_turns "
-                                                 f"is {cfg.env.max_turns}; set warm_start.own_mistakes=0")
+    turns = getattr(teacher, "recovery_turns", 1)
+    raise ConfigError("warm_start.own_mistakes", f"the teacher's continuations take at least {turns} turns, "
+                                                 f"and env.max_turns is {cfg.env.max_turns}; set "
+                                                 f"warm_start.own_mistakes=0 or env.max_turns>={turns}")
 
 
 def runs_own_mistakes(cfg: KeelConfig, teacher: Any) -> bool:

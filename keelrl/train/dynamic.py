@@ -7,6 +7,11 @@ are kept or `max_extra` extra groups have been drawn. Surplus mixed groups of th
 are not used (the batch stays its configured size); when the cap is reached first, the batch
 is simply smaller and `dynamic/cap_reached` says so.
 
+A group is judged by its episodes' outcome rewards only. With per-turn rewards (env.shaping) and
+a turn-level estimator (turn_rloo), a group whose outcomes are all equal can still give its
+turns non-zero advantages (one failed episode's edit passed more visible tests than another's);
+such a group is dropped too. The default run measured both ways in docs/multi-turn.md.
+
 Metrics: the zero-advantage fraction among all groups drawn, before filtering; groups drawn
 per kept group (NaN when none was kept); seconds spent filling; kept and extra counts.
 """

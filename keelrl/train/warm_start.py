@@ -40,7 +40,7 @@ def warm_start(cfg: KeelConfig, env_spec: EnvSpec, train_tasks: Sequence[Any], m
     """Run the warm start (module docstring) on `learner`'s policy; -> its metrics ({} when
     warm_start.demos is 0). `make_env` builds the training environments, `rollout` (one
     attempt per task) how the demonstrations are played, `student` the actor sampling the
-    policy for the own-mistakes round (required when warm_start.own_mistakes > 0)."""
+    policy for the own-mistakes round (required where it runs: `runs_own_mistakes`)."""
     ws = cfg.warm_start
     if ws.demos == 0:
         return {}
@@ -66,7 +66,8 @@ def warm_start(cfg: KeelConfig, env_spec: EnvSpec, train_tasks: Sequence[Any], m
         out["warm_start/masked_turns"] = masked
     if runs_own_mistakes(cfg, teacher):
         if student is None:
-            raise ValueError("warm_start.own_mistakes > 0 needs `student`, an actor sampling the policy")
+            raise ValueError("the own-mistakes round (warm_start.own_mistakes) needs `student`, an actor "
+                             "sampling the policy")
         more = [train_tasks[(ws.demos + i) % len(train_tasks)] for i in range(ws.own_mistakes)]
         rng.shuffle(more)
         learner.model.eval()
