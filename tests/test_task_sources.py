@@ -10,7 +10,7 @@ from keelrl.config import load_config
 from keelrl.envs.coding_tasks import AGENT_KINDS, KINDS, bundled_tasks, generate_tasks
 from keelrl.envs.real_tasks import real_split, real_tasks, source_of
 from keelrl.envs.registry import env_spec
-from keelrl.envs.task_sources import family_of, is_file_source, load_source, source_split, task_split
+from keelrl.envs.task_sources import family_of, interleave, is_file_source, load_source, source_split, task_split
 from keelrl.envs.tasks import TaskError, save_tasks, split_of
 from keelrl.errors import ConfigError
 
@@ -23,10 +23,33 @@ def test_bundled_is_the_default_tasks_unchanged():
 def test_agent_tasks_are_those_generated_after_the_default_kinds():
     agent = load_source("agent")
     assert {task.kind for task in agent} == set(AGENT_KINDS)
-    assert load_source("bundled,agent") == generate_tasks(0) + agent
+    both = load_source("bundled,agent")
+    assert [task for task in both if task.kind in AGENT_KINDS] == agent
+    assert [task for task in both if task.kind not in AGENT_KINDS] == generate_tasks(0)
     combined = generate_tasks(0, kinds=KINDS + AGENT_KINDS)
-    assert sorted(task.to_json() for task in combined) == sorted(task.to_json() for task in generate_tasks(0) + agent)
-    assert load_source("agent,bundled") == agent + generate_tasks(0)
+    assert sorted(task.to_json() for task in combined) == sorted(task.to_json() for task in both)
+    assert sorted(task.to_json() for task in load_source("agent,bundled")) == sorted(task.to_json() for task in both)
+
+
+def test_interleave_spreads_each_part_in_proportion():
+    # a part of 4 at (i + 1/2)/4 = .125 .375 .625 .875, a part of 2 at .25 .75
+    assert interleave([["a0", "a1", "a2", "a3"], ["b0", "b1"]]) == ["a0", "b0", "a1", "a2", "b1", "a3"]
+    assert interleave([["b0", "b1"], ["a0", "a1", "a2", "a3"]]) == ["a0", "b0", "a1", "a2", "b1", "a3"]
+    assert interleave([["x", "y", "z"]]) == ["x", "y", "z"]
+    assert interleave([[], ["x"]]) == ["x"]
+    # ties go in the order of the parts
+    assert interleave([["a0", "a1"], ["b0", "b1"]]) == ["a0", "b0", "a1", "b1"]
+
+
+def test_the_first_training_tasks_of_combined_sources_hold_each_family_in_its_share():
+    # the warm start plays the first `warm_start.demos` training tasks: with the sources one after
+    # the other, 128 of bundled,real would all be templated
+    train = source_split("bundled,real", "train")
+    real = sum(family_of(task) == "real" for task in train)
+    first = collections.Counter(family_of(task) for task in train[:128])
+    share = 128 * real / len(train)
+    # interleaved before the split, which holds out whole real functions: near the share, not on it
+    assert real > 100 and abs(first["real"] - share) <= 4, (first, share)
 
 
 def test_real_tasks_keep_their_family_split_through_a_file(tmp_path):

@@ -6,8 +6,11 @@
     real      the real-code family (`keelrl.envs.real_tasks`): standard-library functions
     PATH      a tasks .jsonl file (`keelrl.envs.tasks.load_tasks`)
 
-Names combine with commas, "bundled,agent,real", in any order; the tasks come in the order
-named, each at most once. Every task is in the split its family gives it (`task_split`):
+Names combine with commas, "bundled,agent,real", in any order, each at most once. Their tasks
+are interleaved in proportion to the sources' sizes (`interleave`), each source's in its own
+order, so that every stretch of consecutive tasks holds each source in its share: the warm start
+plays the first training tasks, and with the sources one after the other it would see only the
+first source's. Every task is in the split its family gives it (`task_split`):
 `real_split` for the real-code family, which holds out whole source functions, and
 `split_of(task.id, seed)` for the rest. A real-code task exported to a file and loaded back
 keeps its split, since the split follows the task id. `family_of` names a task's family for the
@@ -57,8 +60,9 @@ def load_source(source: str, seed: int = 0) -> list[Task]:
     neither a source nor an existing file says so and lists the names."""
     from keelrl.envs.coding_tasks import AGENT_KINDS, KINDS, generate_tasks
 
-    tasks: list[Task] = []
+    parts: list[list[Task]] = []
     for part in source_parts(source):
+        tasks: list[Task] = []
         if part == "bundled":
             tasks += generate_tasks(seed)
         elif part == "agent":  # generated after KINDS, so an agent task is the same with or without bundled
@@ -72,7 +76,16 @@ def load_source(source: str, seed: int = 0) -> list[Task]:
                             f"tasks .jsonl file")
         else:
             tasks += load_tasks(part)
-    return tasks
+        parts.append(tasks)
+    return interleave(parts)
+
+
+def interleave(parts: Sequence[Sequence[Task]]) -> list[Task]:
+    """The tasks of `parts` merged in proportion to their lengths, each part's in its own order:
+    the i-th of a part of n tasks goes at the fraction (i + 1/2) / n of the whole (ties in the
+    order of `parts`). One part comes back unchanged."""
+    keyed = [((i + 0.5) / len(part), p, i) for p, part in enumerate(parts) for i in range(len(part))]
+    return [parts[p][i] for _, p, i in sorted(keyed)]
 
 
 def _real_source(task: Any) -> bool:

@@ -1,9 +1,9 @@
 """The warm start: supervised fine-tuning on the scripted teacher's successful demonstrations.
 
-`warm_start.demos` training tasks (cycled, shuffled by the seed) are played by the
-environment's scripted teacher; the episodes it solves are the demonstrations. The turns a
-teacher's policy marks as its mistakes (`mistake_turns`) are left out of the loss, kept in
-the context, unless `warm_start.imitate_mistakes`. The policy then
+The first `warm_start.demos` training tasks (cycled; played in an order shuffled by the seed)
+are played by the environment's scripted teacher; the episodes it solves are the
+demonstrations. The turns a teacher's policy marks as its mistakes (`mistake_turns`) are left
+out of the loss, kept in the context, unless `warm_start.imitate_mistakes`. The policy then
 takes `warm_start.epochs` passes over them in batches of `warm_start.batch_size`, each one
 update of the token-mean negative log-likelihood of the action tokens, run in the learner's
 micro-batches (`Learner.sft_update`), with its own AdamW at `warm_start.lr`.
