@@ -372,3 +372,16 @@ def test_an_unknown_decoder_fails_at_config_time_naming_the_field():
 
     with pytest.raises(ConfigError, match="rollout.decoder.*keel"):
         check(load_config(overrides=["rollout.decoder=vllm"]))
+
+
+def test_a_prefix_the_budget_cannot_hold_is_not_looked_up(policy):
+    # the slots take the whole budget: a group's published context is evicted as it is stored, and
+    # the group's next attempt prefills in full (it once looked the evicted prefix up: KeyError)
+    model, tokenizer = policy
+    decoder = KeelDecoder(model, tokenizer, max_batch=1, kv_budget_mb=1)
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=5, stop=(), keep_kv=True)
+    prompts = [[7] * 20, [7] * 20, [9] * 12]
+    decoder.budget = decoder.token_bytes * 26  # one slot of the longest row, nothing beside it
+    samples = decoder.generate(prompts, cfg, _uniforms(2, 3, 5))
+    _same(samples, reference(model, tokenizer, prompts, cfg, _uniforms(2, 3, 5)))
+    assert decoder.cache_usage()["prefixes"] == 0 and decoder.stats["prefix_hits"] == 0

@@ -245,6 +245,8 @@ class KeelDecoder:
         """_active[s] holds slot s."""
         self._pending: dict[tuple[int, ...], int] = {}
         """Tokens some queued or active row will publish -> how many rows wait for them."""
+        self._unpublished: set[tuple[int, ...]] = set()
+        """Tokens a queued or active row will publish and has not yet: their waiters are passed over."""
         self._stream_cfg: SamplingConfig | None = None
         self._stream_weights: _Weights | None = None
         self.end_ids = tuple(end_token_ids(tokenizer))
@@ -337,7 +339,9 @@ class KeelDecoder:
             self._forget(old)
         while len(self._prefixes) >= MAX_PREFIXES:
             self._forget(next(key for key in self._kept if key in self._prefixes.values()))
-        self._prefixes[cache.token_ids] = self._store(cache, stamp)
+        key = self._store(cache, stamp)
+        if key in self._kept:  # else the budget could not hold it beside the slots: not stored
+            self._prefixes[cache.token_ids] = key
 
     def _evict(self) -> None:
         room = self.budget - self._slots * self._capacity * self.token_bytes
@@ -432,6 +436,7 @@ class KeelDecoder:
         self._queue.clear()
         self._active.clear()
         self._pending.clear()
+        self._unpublished.clear()
 
     def _plan_sharing(self, rows: list[_Row], stamp: tuple[int, ...]) -> list[_Row]:
         """Who prefills what among fresh rows: a context equal to an earlier row's waits for that row's
@@ -452,6 +457,7 @@ class KeelDecoder:
                 if len(row.context) > 1 and counts[row.context] > 1:
                     row.publishes = key
                     self._pending[key] = 0
+                    self._unpublished.add(key)
         fresh = []
         for row in own:
             stored = self._stored_prefix(row.context, stamp)
@@ -469,6 +475,7 @@ class KeelDecoder:
         prefix = fresh[0].context[:common]
         pseudo = _Row(-1, prefix, fresh[0].uniforms, prefix_only=True, publishes=prefix)
         self._pending[prefix] = len(fresh)
+        self._unpublished.add(prefix)
         for row in fresh:
             row.waits_for = prefix
         fresh[0].recomputed += common
@@ -502,7 +509,7 @@ class KeelDecoder:
             row = queue[position]
             if row.waits_for is not None:
                 key = row.waits_for
-                if key in self._pending and key not in self._prefixes:
+                if key in self._unpublished:
                     position += 1
                     continue
                 if key in self._pending:
@@ -552,6 +559,7 @@ class KeelDecoder:
         n = len(key)
         self._store_prefix(RowCache(key, [k[slot, :, :n].clone() for k in self._keys],
                                     [v[slot, :, :n].clone() for v in self._values]), stamp)
+        self._unpublished.discard(key)
         if self._pending.get(key, 1) <= 0:
             del self._pending[key]
         row.publishes = None
