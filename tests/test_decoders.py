@@ -385,3 +385,22 @@ def test_a_prefix_the_budget_cannot_hold_is_not_looked_up(policy):
     samples = decoder.generate(prompts, cfg, _uniforms(2, 3, 5))
     _same(samples, reference(model, tokenizer, prompts, cfg, _uniforms(2, 3, 5)))
     assert decoder.cache_usage()["prefixes"] == 0 and decoder.stats["prefix_hits"] == 0
+
+
+def test_submissions_planning_the_same_common_prefix_all_finish(policy):
+    # three submissions back to back, before any prefix row has run, each plan a prefix row of the
+    # same head, and the three finish in one step. Releasing the first moves the third into its
+    # slot, and finding the second's slot compared it field by field with the third (the same
+    # index -1, the same tokens, then their uniforms tensors): "Boolean value of Tensor ... is ambiguous"
+    model, tokenizer = policy
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=6, stop=())
+    head = [11 + i % 50 for i in range(24)]
+    batches = [[head + [60, 61], head + [62, 63, 64]], [head + [70, 71], head + [72, 73]], [head + [80, 81], head + [82, 83]]]
+    uniforms = _uniforms(5, 6, 6)
+    decoder = KeelDecoder(model, tokenizer, max_batch=8)
+    tickets = [t for i, batch in enumerate(batches) for t in decoder.submit(batch, cfg, uniforms[2 * i:2 * i + 2])]
+    done: dict[int, object] = {}
+    while decoder.in_flight:
+        done.update(decoder.step())
+    contexts = [c for batch in batches for c in batch]
+    _same([done[t] for t in tickets], reference(model, tokenizer, contexts, cfg, uniforms))

@@ -159,7 +159,7 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-@dataclass
+@dataclass(eq=False)  # a row is itself: finding its slot must not compare prefix rows of equal tokens field by field
 class _Row:
     """One context submitted to the decoder, queued, in flight, or done."""
 
