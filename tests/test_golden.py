@@ -5,7 +5,8 @@ and keys, and every value equal to the recording to 1e-6 relative (timings and m
 excluded), or to 5e-8 absolute: the runs are in float64 but the value head computes in float32,
 which moves the PPO variant's policy loss (about 1e-3, a sum of cancelling terms) between CPU
 instruction sets (by 5e-9 on an AVX-512 EPYC, 1.0e-8 on an AMX Xeon, both on one thread), and
-an approximate KL of 1e-14 between two passes of the same weights is round-off. No change of real meaning stays inside either bound.
+an approximate KL of 1e-14 between two passes of the same weights is round-off. No change of
+real meaning stays inside either bound.
 """
 
 from __future__ import annotations

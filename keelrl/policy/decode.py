@@ -243,10 +243,9 @@ class KeelDecoder:
         self._queue: list[_Row] = []
         self._active: list[_Row] = []
         """_active[s] holds slot s."""
-        self._pending: dict[tuple[int, ...], int] = {}
-        """Tokens some queued or active row will publish -> how many rows wait for them."""
         self._unpublished: set[tuple[int, ...]] = set()
-        """Tokens a queued or active row will publish and has not yet: their waiters are passed over."""
+        """Tokens a queued or active row will publish and has not yet: the rows waiting for them are
+        passed over."""
         self._stream_cfg: SamplingConfig | None = None
         self._stream_weights: _Weights | None = None
         self.end_ids = tuple(end_token_ids(tokenizer))
@@ -435,7 +434,6 @@ class KeelDecoder:
         """Drop every queued and decoding row (nothing is returned for them); the decoder is idle after."""
         self._queue.clear()
         self._active.clear()
-        self._pending.clear()
         self._unpublished.clear()
 
     def _plan_sharing(self, rows: list[_Row], stamp: tuple[int, ...]) -> list[_Row]:
@@ -447,16 +445,14 @@ class KeelDecoder:
         counts = Counter(row.context for row in rows)
         for row in rows:
             key = row.context[:-1]
-            if len(row.context) > 1 and key in self._pending:
+            if len(row.context) > 1 and key in self._unpublished:
                 row.waits_for = key
-                self._pending[key] += 1
             elif len(row.context) > 1 and key in self._prefixes and self._kept[self._prefixes[key]][1] == stamp:
                 row.waits_for = key  # stored already: admitted at once
             else:
                 own.append(row)
                 if len(row.context) > 1 and counts[row.context] > 1:
                     row.publishes = key
-                    self._pending[key] = 0
                     self._unpublished.add(key)
         fresh = []
         for row in own:
@@ -474,7 +470,6 @@ class KeelDecoder:
             return []
         prefix = fresh[0].context[:common]
         pseudo = _Row(-1, prefix, fresh[0].uniforms, prefix_only=True, publishes=prefix)
-        self._pending[prefix] = len(fresh)
         self._unpublished.add(prefix)
         for row in fresh:
             row.waits_for = prefix
@@ -512,10 +507,6 @@ class KeelDecoder:
                 if key in self._unpublished:
                     position += 1
                     continue
-                if key in self._pending:
-                    self._pending[key] -= 1
-                    if self._pending[key] <= 0:
-                        del self._pending[key]
                 stored = self._prefixes.get(key)
                 if stored is not None and self._kept[stored][1] == stamp:
                     self._kept.move_to_end(stored)
@@ -560,8 +551,6 @@ class KeelDecoder:
         self._store_prefix(RowCache(key, [k[slot, :, :n].clone() for k in self._keys],
                                     [v[slot, :, :n].clone() for v in self._values]), stamp)
         self._unpublished.discard(key)
-        if self._pending.get(key, 1) <= 0:
-            del self._pending[key]
         row.publishes = None
 
     def _sample(self, row: _Row) -> Sample:
