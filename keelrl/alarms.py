@@ -176,20 +176,22 @@ def _patches(monitor: AlarmMonitor, step: int) -> Finding | None:
             f"exploration has collapsed")
 
 
-PATCH_TOOLS = ("replace", "edit")
-"""The coding tools whose calls make up a trajectory's final patch."""
-
-
-def distinct_patches(groups: list[list[Any]], tools: tuple[str, ...] = PATCH_TOOLS) -> float:
-    """Mean number of distinct answers per group: a trajectory's answer is its sequence of calls
-    to `tools` (coding: its edits, i.e. its patch; the guessing game: its guesses), or of all
-    its actions when `tools` is empty."""
+def distinct_patches(groups: list[list[Any]], tools: tuple[str, ...]) -> float:
+    """Mean number of distinct answers per group: a trajectory's answer is the sequence of its
+    actions that the environment accepted as calls to `tools` (`turn_info`'s "tool"; coding: its
+    edits, i.e. its patch; the guessing game: its guesses), or of all its actions when `tools`
+    is empty. Whatever the tool-call format, the environment's own reading decides."""
     if not groups:
         return 0.0
-    prefixes = tuple(f"<call>{tool}" for tool in tools)
     counts = []
     for group in groups:
-        patches = {"\n".join(a.strip() for a in t.actions if not tools or a.lstrip().startswith(prefixes))
+        patches = {"\n".join(action.strip() for action, info in zip(t.actions, _infos(t))
+                             if not tools or (info.get("tool") in tools and not info.get("error")))
                    for t in group}
         counts.append(len(patches))
     return sum(counts) / len(counts)
+
+
+def _infos(trajectory: Any) -> list[dict[str, Any]]:
+    infos = list(getattr(trajectory, "turn_info", []))
+    return infos + [{}] * (len(trajectory.actions) - len(infos))

@@ -9,7 +9,6 @@ import json
 import re
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Sequence
 
@@ -64,6 +63,7 @@ def _cmd_algos(args: argparse.Namespace) -> int:
 def _cmd_config(args: argparse.Namespace) -> int:
     from keelrl.components import check, explain
     from keelrl.config import dump_config, load_config
+    from keelrl.envs.registry import settle_env
 
     if args.explain:
         table = Table(title="configuration fields (set in YAML or as dotted.key=value)")
@@ -74,8 +74,8 @@ def _cmd_config(args: argparse.Namespace) -> int:
         Console(width=160).print(table)
         return 0
     cfg = load_config(args.config, args.overrides)
-    check(cfg)  # an unregistered component (env.name, rollout.engine, ...) fails here, listing the registered ones
-    sys.stdout.write(dump_config(cfg))
+    spec = check(cfg)  # an unregistered component (env.name, rollout.engine, ...) fails here, listing the registered ones
+    sys.stdout.write(dump_config(settle_env(cfg, spec)))  # env.max_turns as the run will have it
     return 0
 
 
@@ -119,10 +119,9 @@ def _cmd_tasks(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
     from keelrl.config import load_config
     from keelrl.runs import CheckpointError
+    from keelrl.train.console import ConsoleProgress
     from keelrl.train.trainer import Trainer
 
     if args.resume:
@@ -134,43 +133,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(args.config, args.overrides)
     console = Console(stderr=True)
-    columns = [TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-               TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[latest]}")]
-    started = time.monotonic()
-    with Progress(*columns, console=console) as progress:
-        bar = progress.add_task("RL", total=cfg.train.steps, latest="warm start + eval...")
-
-        def report(event: str, info: dict) -> None:
-            if event == "precision":
-                console.print(info["line"], highlight=False)
-                return
-            if not console.is_terminal:  # logs get one plain line per event
-                shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in info.items()
-                         if k in ("phase", "step", "epoch", "loss", "demos", "masked_turns", "train/reward", "train/success",
-                                  "eval/success", "eval/partial", "time/step_s", "memory/peak_rss_gb")}
-                console.print(f"[{time.monotonic() - started:7.1f}s {event}] {shown}", highlight=False)
-            if event == "step":
-                latest = f"reward {info.get('train/reward', 0):.2f}"
-                if "eval/success" in info:
-                    latest += f" | eval {info['eval/success']:.2f}"
-                progress.update(bar, completed=info["step"], latest=latest)
-            elif event == "eval":
-                progress.update(bar, latest=f"eval before RL {info['eval/success']:.2f}")
-            elif event == "phase":
-                progress.update(bar, description=info["phase"])
-            elif event == "eval_base":
-                progress.update(bar, latest=f"base model eval {info['eval/success']:.2f}")
-            elif event == "resumed":
-                progress.update(bar, completed=info["step"], latest="resumed")
-            elif event == "alarm":
-                console.print(f"[bold red]ALARM[/] {info['alarm']} at step {info['step']}: {info['message']}")
-            else:
-                progress.update(bar, latest=f"{event}: " + ", ".join(f"{k}={v}" for k, v in info.items()))
-
+    report = ConsoleProgress(cfg.train.steps, console)
+    trainer = Trainer(cfg, progress=report)  # a bad config fails here, before the bar is drawn
+    with report:
         try:
-            summary = Trainer(cfg, progress=report).run(resume=bool(args.resume))
+            summary = trainer.run(resume=bool(args.resume))
         except CheckpointError as error:
-            progress.stop()
+            report.__exit__(None, None, None)
             print(f"keel: cannot resume: {error}", file=sys.stderr)
             return 2
     console.print_json(data=summary)

@@ -5,7 +5,8 @@ A config names its components by string: the environment (`env.name`), the criti
 (`monitor.stop_on`), the metric sinks (`log.sinks`) and the algorithm's parts (`algo.*`, checked
 by `keelrl.algos` as an `AlgoConfig` is built). `keelrl.config` only parses and checks values;
 `check(cfg)` looks every name up in its registry and checks the environment section against the
-chosen kind, raising `ConfigError` naming the dotted field. The trainer calls it before any
+chosen kind, raising `ConfigError` naming the dotted field; model.path must name something
+loadable (a registered name, a model directory, a .gguf file), with a did-you-mean when not. The trainer calls it before any
 model loads, and so do `keel config` and `keelrl.configure`. `explain()` is the config's field
 table with each component field's registered choices.
 """
@@ -23,6 +24,7 @@ from keelrl.envs.registry import EnvSpec, resolve_env
 from keelrl.errors import ConfigError
 from keelrl.policy.critic import CRITICS
 from keelrl.policy.decoders import DECODERS
+from keelrl.policy.download import ModelPathError, check_model_path
 from keelrl.registry import Registry
 from keelrl.rollout.build import ENGINES
 from keelrl.sinks import SINKS
@@ -40,7 +42,12 @@ def check(cfg: KeelConfig, env: EnvSpec | None = None) -> EnvSpec:
     unknown = [name for name in cfg.log.sinks if name not in SINKS]
     if unknown:
         raise ConfigError("log.sinks", f"unknown sink(s) {unknown}; valid names: {', '.join(SINKS)}")
-    return resolve_env(cfg, env)
+    spec = resolve_env(cfg, env)
+    try:
+        check_model_path(cfg.model.path)
+    except ModelPathError as error:
+        raise ConfigError("model.path", str(error)) from None
+    return spec
 
 
 def choices(cls: type, name: str) -> list[str]:

@@ -118,10 +118,11 @@ class EnvConfig:
     key_check_weight: float = 1.0
     """Partial credit: the key check counts this many times (each check's own task weight,
     1 by default, applies too)."""
-    max_turns: int = 5
-    """Turns per episode. The default run's five fit the teacher's mistake-and-recover path (wrong
-    edit, test, real fix, test, submit); configs/one_turn.yaml is one edit with the file shown,
-    then grading."""
+    max_turns: int | None = None
+    """Turns per episode; unset: the environment's own (the built-in kinds: 5, which fit the coding
+    teacher's mistake-and-recover path: wrong edit, test, real fix, test, submit). An environment
+    with its own limit refuses another value, naming both. configs/one_turn.yaml is one edit with
+    the file shown, then grading."""
     show_tools: bool = False
     """Describe the tools in every prompt (long); the warm start teaches the format either way."""
     show_file: bool = True
@@ -137,7 +138,9 @@ class EnvConfig:
     """Coding: a rejected action (malformed call, bad argument) costs its turn this much reward."""
 
     def __post_init__(self) -> None:
-        _positive(max_turns=self.max_turns, key_check_weight=self.key_check_weight, guess_n=self.guess_n,
+        if self.max_turns is not None:
+            _positive(max_turns=self.max_turns)
+        _positive(key_check_weight=self.key_check_weight, guess_n=self.guess_n,
                   guess_tasks=self.guess_tasks, rg_size=self.rg_size)
         for name, value in (("shaping", self.shaping), ("malformed_cost", self.malformed_cost)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:

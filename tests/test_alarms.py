@@ -8,6 +8,7 @@ import pytest
 
 from keelrl.components import check
 from keelrl.alarms import AlarmMonitor, distinct_patches
+from keelrl.envs.coding import PATCH_TOOLS
 from keelrl.config import TINY_RUN, MonitorConfig, load_config
 from keelrl.errors import ConfigError
 from keelrl.rollout.trajectory import Trajectory
@@ -107,13 +108,18 @@ def test_distinct_patches_counts_edit_sequences_per_group():
     def traj(*actions):
         t = Trajectory("t", 0)
         t.actions = list(actions)
+        t.turn_info = [{"tool": a.removeprefix("<call>").split("<")[0].split()[0]} for a in actions]
         return t
 
     same = [traj("<call>read</call>", "<call>replace 2\nx\n</call>"), traj("<call>replace 2\nx\n</call>", "<call>test</call>")]
     different = [traj("<call>replace 2\nx\n</call>"), traj("<call>edit\na\n>>>\nb\n</call>"), traj("<call>submit</call>")]
-    assert distinct_patches([same]) == 1.0
-    assert distinct_patches([different]) == 3.0
-    assert distinct_patches([same, different]) == 2.0
+    assert distinct_patches([same], PATCH_TOOLS) == 1.0
+    assert distinct_patches([different], PATCH_TOOLS) == 3.0
+    assert distinct_patches([same, different], PATCH_TOOLS) == 2.0
+    rejected = traj("<call>replace 2\ny\n</call>")
+    rejected.turn_info = [{"error": "line 2 is out of range"}]  # an edit the environment refused changes nothing
+    assert distinct_patches([[same[0], rejected]], PATCH_TOOLS) == 2.0
+    assert distinct_patches([[traj("<call>submit</call>"), rejected]], PATCH_TOOLS) == 1.0
 
 
 def test_stop_on_names_are_checked():
@@ -145,9 +151,10 @@ def test_distinct_answers_of_the_guessing_game_are_guess_sequences():
     def traj(*actions):
         t = Trajectory("t", 0)
         t.actions = list(actions)
+        t.turn_info = [{"tool": "guess"} for _ in actions]
         return t
 
     group = [traj("<call>guess 8</call>", "<call>guess 4</call>"), traj("<call>guess 8</call>", "<call>guess 4</call> "),
              traj("<call>guess 8</call>", "<call>guess 12</call>"), traj("<call>guess 0</call>")]
     assert distinct_patches([group], ("guess",)) == 3.0
-    assert distinct_patches([group]) == 1.0  # no edits: every coding patch is empty
+    assert distinct_patches([group], PATCH_TOOLS) == 1.0  # no edits: every coding patch is empty

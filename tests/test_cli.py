@@ -161,3 +161,10 @@ def test_train_with_a_bad_task_file_says_so_in_one_line_before_loading_a_model(t
         assert main(["train", f"env.tasks={source}", "model.path=/no/such/model", f"run_dir={tmp_path / 'r'}"]) == 2
         err = capsys.readouterr().err
         assert "keel: config error: env.tasks" in err and message in err and "Traceback" not in err
+
+
+def test_a_misspelled_model_path_is_one_line_with_a_did_you_mean(tmp_path):
+    result = keel("train", "model.path=smollm3", f"run_dir={tmp_path / 'run'}")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("keel: config error: model.path:") and "did you mean 'smollm2'" in result.stderr
+    assert not (tmp_path / "run").exists()

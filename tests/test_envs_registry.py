@@ -12,11 +12,10 @@ from typing import Any
 import pytest
 
 from keelrl.components import check
-from keelrl.alarms import PATCH_TOOLS
 from keelrl.cli import main
 from keelrl.config import TINY_RUN, load_config
 from keelrl.envs import ENVIRONMENTS, CheckResult, EnvSpec, Grade, check_env, env_spec, register_env
-from keelrl.envs.coding import CodingEnv, CodingEnvFactory
+from keelrl.envs.coding import PATCH_TOOLS, CodingEnv, CodingEnvFactory
 from keelrl.envs.guess import BinarySearchTeacher, GuessEnvFactory
 from keelrl.envs.registry import coding_hidden_paths, resolve_env, runs_own_mistakes, split_tasks
 from keelrl.envs.teacher import ScriptedTeacher
@@ -57,8 +56,13 @@ class SayEnv:
 
 
 class SayFactory:
+    def __init__(self, max_turns: int = 1) -> None:
+        self.max_turns = max_turns
+
     def __call__(self) -> SayEnv:
-        return SayEnv()
+        env = SayEnv()
+        env.max_turns = self.max_turns
+        return env
 
 
 class SayTeacher:
@@ -71,8 +75,10 @@ WORDS = [WordTask(f"word-{i:03d}", word) for i, word in enumerate(["ab", "cd", "
 
 def say_spec(**changes: Any) -> EnvSpec:
     fields: dict[str, Any] = dict(name="say", tasks=lambda cfg: split_tasks(WORDS, cfg.env.split_seed, "WORDS"),
-                                  train_env=lambda cfg: SayFactory(), eval_env=lambda cfg: SayFactory(),
-                                  teacher=lambda cfg: SayTeacher(), answer_tools=("say",))
+                                  train_env=lambda cfg: SayFactory(cfg.env.max_turns),
+                                  eval_env=lambda cfg: SayFactory(cfg.env.max_turns),
+                                  teacher=lambda cfg: SayTeacher(), answer_tools=("say",), max_turns=1,
+                                  fields=("split_seed",))
     fields.update(changes)
     return EnvSpec(**fields)
 
@@ -236,9 +242,11 @@ def test_a_spec_without_answer_tools_counts_every_action_as_the_answer():
     assert say_spec(answer_tools=()).answer_tools == ()
     group = [trajectory("<call>say ab</call>"), trajectory("<call>say ab</call> "), trajectory("ab"),
              trajectory("cd")]
+    for t in group:  # what the environment made of each action
+        t.turn_info = [{"tool": "say"} if t.actions[0].startswith("<call>") else {"error": "no tool call"}]
     assert distinct_patches([group], ()) == 3.0
-    assert distinct_patches([group], ("say",)) == 2.0  # "ab" and "cd" are no calls: both empty answers
-    assert distinct_patches([group]) == 1.0  # the coding tools: no edits anywhere
+    assert distinct_patches([group], ("say",)) == 2.0  # "ab" and "cd" were rejected: both empty answers
+    assert distinct_patches([group], PATCH_TOOLS) == 1.0  # the coding tools: no edits anywhere
 
 
 def test_split_tasks_names_the_source_when_a_side_is_empty():
@@ -254,7 +262,8 @@ def test_a_user_env_spec_trains_through_the_trainer(tiny_model_dir, tmp_path):
     check_env(SayEnv(), WORDS[0], good_actions=["<call>say ab</call>"])
     assert "say" not in ENVIRONMENTS
     cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}",
-                                 "env.name=say", "env.max_turns=1", "warm_start.demos=8", "warm_start.epochs=1",
+                                 "env.name=say", "env.max_turns=1", "env.partial_credit=false", "env.show_file=true",
+                                 "warm_start.demos=8", "warm_start.epochs=1",
                                  "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=12",
                                  "train.steps=2", "eval.tasks=2", "eval.every=2", "rollout.engine=sync"])
     trainer = Trainer(cfg, env=say_spec())
@@ -271,13 +280,13 @@ def test_a_user_env_spec_trains_through_the_trainer(tiny_model_dir, tmp_path):
 
 
 def test_a_field_of_another_environment_kind_is_an_error():
-    for overrides, field, other in ((["env.guess_n=8"], "env.guess_n", "the guessing game"),
+    for overrides, field, other in ((["env.guess_n=8"], "env.guess_n", "guess"),
                                     (["env.name=guess", "env.dataset=chain_sum"], "env.dataset", "reasoning_gym"),
-                                    (["env.name=guess", "env.tasks=mine.jsonl"], "env.tasks", "the coding environment"),
-                                    (["env.name=guess", "env.shaping=0.5"], "env.shaping", "the coding environment")):
+                                    (["env.name=guess", "env.tasks=mine.jsonl"], "env.tasks", "coding"),
+                                    (["env.name=guess", "env.shaping=0.5"], "env.shaping", "coding")):
         with pytest.raises(ConfigError) as info:
             check(load_config(overrides=overrides))
-        assert info.value.field == field and other in str(info.value), overrides
+        assert info.value.field == field and f"it is a setting of env.name={other}" in str(info.value), overrides
     # Its own fields, and the fields every kind reads, are fine; so is another kind's field at its default.
     assert check(load_config(overrides=["env.name=guess", "env.guess_n=8", "env.max_turns=3", "env.guess_tasks=2000"]))
     # A value that turns another kind's feature off (EnvSpec.off) is not a setting either: the tiny

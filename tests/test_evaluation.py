@@ -80,8 +80,8 @@ def test_agent_report_by_hand():
         _episode([{"tool": "edit", "visible_passed": 2, "visible_total": 4}, EDIT, SUBMIT], True),  # shaping's counts
         _episode([EDIT], False, "context_limit"),
     ]
-    assert [first_test_failed(t, ("replace", "edit")) for t in rows] == [True, True, False, None, True, True, None]
-    report = agent_report(rows)
+    assert [first_test_failed(t, ("replace", "edit"), "test") for t in rows] == [True, True, False, None, True, True, None]
+    report = agent_report(rows, ("replace", "edit"), "test")
     assert report["episodes"] == 7
     assert report["turns_mean"] == pytest.approx((5 + 5 + 3 + 2 + 4 + 3 + 1) / 7)
     assert report["tested_frac"] == pytest.approx(4 / 7)  # rows 0, 1, 2 and 4
@@ -97,7 +97,7 @@ def test_agent_report_by_hand():
 def test_agent_report_without_a_failed_first_edit_has_no_recovery_rate():
     from keelrl.train.evaluation import agent_report
 
-    report = agent_report([_episode([EDIT, PASS, SUBMIT], True)])
+    report = agent_report([_episode([EDIT, PASS, SUBMIT], True)], ("replace", "edit"), "test")
     assert math.isnan(report["recovery_rate"]) and report["first_edit_failed"] == 0
 
 

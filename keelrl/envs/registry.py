@@ -3,20 +3,29 @@
 An `EnvSpec` is everything the trainer needs to know about one kind of environment: where its
 (train, held-out) tasks come from, how to build its environments (graded by the training
 verifier for rollouts, by the strong verifier for held-out evaluation), the scripted teacher
-of the warm start, which tool calls are an episode's answer, and which verifier names and
-config values it accepts. `coding`, `guess` and `reasoning_gym` are registered here; a user's
-environment plugs in either way:
+of the warm start, its tools, which tool calls are an episode's answer, and which verifier
+names and config fields it reads. `coding`, `guess` and `reasoning_gym` are registered here.
+`env.name` names an environment in one of three ways, looked up in this order (`env_spec`):
 
-    register_env(EnvSpec(name="mine", tasks=..., train_env=..., eval_env=...))   # before the Trainer
-    Trainer(load_config(overrides=["env.name=mine"])).run()
+    env.name=guess                    a name registered in this process (`register_env`)
+    env.name=units                    a name a package declares under the `keelrl.envs` entry
+                                      point group (pyproject.toml: [project.entry-points."keelrl.envs"]
+                                      units = "mypkg.envs:UNITS")
+    env.name=mypkg.envs:UNITS         an import path: MODULE:ATTRIBUTE
 
-    Trainer(cfg, env=EnvSpec(name="mine", ...)).run()   # no name registered; cfg.env.name must be "mine"
+An entry point or import path names an `EnvSpec`, or a callable taking no arguments that
+returns one. Since config.yaml keeps `env.name` as given, `keel train --resume`, `keel eval`,
+`keel config`, `keel audit` and `keel view` find a user's environment exactly as `keel train`
+did. A spec can also be passed without any name: `Trainer(cfg, env=EnvSpec(...))`, where
+cfg.env.name must be the spec's name.
 
-A duplicate name fails at registration. `resolve_env` (through keelrl.components.check: the
-Trainer's first act, and `keel config`) validates the environment section against the chosen
-kind (no other kind's fields set, the verifier, the spec's own checks, a teacher for the warm
-start); an unknown name fails there, listing the valid names from the registry. Config loading
-does not look environments up, so that `Trainer(cfg, env=spec)` can take an unregistered spec.
+A duplicate registered name fails at registration. `resolve_env` (through
+keelrl.components.check: the Trainer's first act, and `keel config`) validates the environment
+section against the chosen kind: a field the kind does not read (`EnvSpec.fields`) set to other
+than its default is an error naming it; the verifier; the spec's own checks; a teacher for the
+warm start; and env.max_turns against the environment's own turn limit (`settle_env`). An
+unknown name fails there, listing the valid names. Config loading does not look environments
+up, so that `Trainer(cfg, env=spec)` can take an unregistered spec.
 
 Every callable of a spec takes the whole run config, so an environment may read any field.
 `train_env` and `eval_env` return a factory `() -> Env` (keelrl.envs.base's protocol); the
@@ -72,8 +81,9 @@ class EnvSpec:
     validate: Callable[[EnvConfig], None] | None = None
     """Further checks of the env section; raises ConfigError naming the field (e.g. "dataset")."""
     fields: tuple[str, ...] = ()
-    """The env-section fields that only this kind reads (e.g. guess_n): set to other than its
-    default under another env.name, such a field is an error, not silently ignored."""
+    """The env-section fields this kind reads, besides name, verifier and max_turns, which every
+    kind has (e.g. guess: guess_n, guess_tasks, split_seed). Any other env field set to other
+    than its default is an error naming it, not silently ignored."""
     off: Mapping[str, Any] = field(default_factory=dict)
     """Values of its `fields` that turn a feature off (coding: env.shaping=0): another kind, which
     has no such feature, accepts them, so a recipe can switch one off for every kind."""
@@ -82,6 +92,19 @@ class EnvSpec:
     family: Callable[[Any], str] | None = None
     """task -> the name of its family (coding: templated, agent or real); the held-out report
     gives each family its own figures and RL's lift on it. None: one family."""
+    max_turns: int | None = None
+    """The environment's own turn limit, used when env.max_turns is not set; None: read from an
+    environment the training factory makes (its `max_turns`). env.max_turns set to another value
+    than an environment's own is an error naming both (`settle_env`)."""
+    tools: Mapping[str, Any] = field(default_factory=dict)
+    """Its tools by name (keelrl.envs.tools.ToolSpec), declared once: `keel audit` drives probes
+    through them and the tool-call formats render them. Empty: the audit's tool probes skip it."""
+    test_tool: str = ""
+    """The tool that runs the visible tests, if it has one (its info carries tests_failed or
+    tests_error): the agent metrics' tested share and recovery rate read it."""
+    hidden_paths: Callable[[KeelConfig], list[str]] | None = None
+    """cfg -> paths the environment's sandbox hides from the code it runs (coding: keelrl's
+    source, the run directory, the task file); None: it runs no code."""
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -108,27 +131,93 @@ def register_env(spec: EnvSpec) -> EnvSpec:
     return ENVIRONMENTS.add(spec.name, spec, summary=spec.label)
 
 
+ENTRY_POINT_GROUP = "keelrl.envs"
+"""The entry point group under which a package declares its environments by name."""
+
+
 def env_spec(name: str) -> EnvSpec:
-    """The registered spec `name`; ConfigError on env.name listing the valid names otherwise."""
-    if name not in ENVIRONMENTS:
-        raise ConfigError("env.name", f"unknown environment {name!r}; valid names: {', '.join(ENVIRONMENTS)} "
-                                      f"(or pass Trainer(cfg, env=EnvSpec(...)))")
-    return ENVIRONMENTS[name]
+    """The spec `name` names: registered, declared by an entry point of `ENTRY_POINT_GROUP`, or an
+    import path MODULE:ATTRIBUTE (module docstring); ConfigError on env.name listing the valid names
+    otherwise."""
+    if name in ENVIRONMENTS:
+        return ENVIRONMENTS[name]
+    points = _entry_points()
+    if name in points:
+        return _as_spec(name, lambda: points[name].load(), f"entry point {points[name].value!r}")
+    if ":" in name:
+        return _as_spec(name, lambda: _import_attribute(name), "import path")
+    raise ConfigError("env.name", f"unknown environment {name!r}; valid names: "
+                                  f"{', '.join([*ENVIRONMENTS, *points])}, or an import path MODULE:ATTRIBUTE "
+                                  f"naming an EnvSpec (or pass Trainer(cfg, env=EnvSpec(...)))")
+
+
+def _entry_points() -> dict[str, Any]:
+    from importlib.metadata import entry_points
+
+    return {point.name: point for point in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def _import_attribute(path: str) -> Any:
+    import importlib
+
+    module_name, _, attribute = path.partition(":")
+    if not module_name or not attribute:
+        raise ConfigError("env.name", f"{path!r} is not an import path MODULE:ATTRIBUTE")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        raise ConfigError("env.name", f"cannot import {module_name!r} for env.name={path!r}: {error} "
+                                      f"(is its package installed, or on PYTHONPATH?)") from None
+    value: Any = module
+    for part in attribute.split("."):
+        if not hasattr(value, part):
+            names = ", ".join(n for n in dir(value) if not n.startswith("_"))
+            raise ConfigError("env.name", f"{module_name!r} has no attribute {attribute!r} (env.name={path!r}); "
+                                          f"it has: {names}")
+        value = getattr(value, part)
+    return value
+
+
+def _as_spec(name: str, load: Callable[[], Any], where: str) -> EnvSpec:
+    """The EnvSpec `load()` gives, or that calling what it gives returns; ConfigError otherwise."""
+    value = load()
+    if not isinstance(value, EnvSpec) and callable(value):
+        value = value()
+    if not isinstance(value, EnvSpec):
+        raise ConfigError("env.name", f"env.name={name!r} ({where}) gives {type(value).__name__}, not an EnvSpec "
+                                      f"or a callable returning one")
+    return value
+
+
+EVERY_KIND_READS = ("name", "verifier", "max_turns")
+"""The env-section fields every kind has: the rest are read only by the kinds whose
+`EnvSpec.fields` name them."""
 
 
 def check_env_section(env: EnvConfig, spec: EnvSpec) -> None:
-    """The env section against `spec`: no field of another registered kind set (`EnvSpec.fields`;
-    its default or an `EnvSpec.off` value is not a setting),
-    the verifier name, then the spec's own checks (fields relative to env)."""
+    """The env section against `spec`: no field that `spec` does not read (`EnvSpec.fields`) set
+    to other than its default (an `EnvSpec.off` value of any registered kind is not a setting:
+    it turns off a feature `spec` lacks anyway), the verifier name, then the spec's own checks
+    (fields relative to env)."""
+    import dataclasses
+
+    names = [f.name for f in dataclasses.fields(env)]
+    unknown = [name for name in spec.fields if name not in names]
+    if unknown:
+        raise ConfigError("name", f"{spec.label} declares fields {unknown} that the env section does not have; "
+                                  f"it has: {', '.join(names)}")
     defaults = type(env)()
-    for other in ENVIRONMENTS.entries():
-        for name in other.obj.fields:
-            value = getattr(env, name)
-            if (name not in spec.fields and value != getattr(defaults, name)
-                    and not (name in other.obj.off and value == other.obj.off[name])):
-                raise ConfigError(name, f"{name}={value!r} is a setting of {other.obj.label}, "
-                                        f"which {spec.label} does not read; remove it (or choose "
-                                        f"env.name={other.name})")
+    offs = [spec.off, *(entry.obj.off for entry in ENVIRONMENTS.entries())]
+    for name in names:
+        value = getattr(env, name)
+        if (name in EVERY_KIND_READS or name in spec.fields or value == getattr(defaults, name)
+                or any(name in off and value == off[name] for off in offs)):
+            continue
+        readers = [entry.name for entry in ENVIRONMENTS.entries() if name in entry.obj.fields]
+        hint = f" (it is a setting of env.name={' or '.join(readers)})" if readers else ""
+        reads = ", ".join(spec.fields) or "none besides " + ", ".join(EVERY_KIND_READS)
+        raise ConfigError(name, f"{name}={value!r} is not read by {spec.label}{hint}; remove it. "
+                                f"{spec.label} reads: {reads}")
     if env.verifier not in spec.verifiers:
         raise ConfigError("verifier", f"{spec.label} has no verifier {env.verifier!r}; "
                                       f"valid names: {', '.join(spec.verifiers)}")
@@ -155,7 +244,7 @@ def check_run_config(cfg: KeelConfig, spec: EnvSpec) -> None:
                                                      f"action (it has no `recovery`); set warm_start.own_mistakes=0")
     turns = getattr(teacher, "recovery_turns", 1)
     raise ConfigError("warm_start.own_mistakes", f"the teacher's continuations take at least {turns} turns, "
-                                                 f"and env.max_turns is {cfg.env.max_turns}; set "
+                                                 f"and env.max_turns is {turns_of(cfg)}; set "
                                                  f"warm_start.own_mistakes=0 or env.max_turns>={turns}")
 
 
@@ -165,7 +254,7 @@ def runs_own_mistakes(cfg: KeelConfig, teacher: Any) -> bool:
     env.max_turns room for its shortest continuation. Only the field's default gets here without
     them (`check_run_config` refuses another value), and it then means no round."""
     return (cfg.warm_start.demos > 0 and cfg.warm_start.own_mistakes > 0 and hasattr(teacher, "recovery")
-            and cfg.env.max_turns >= getattr(teacher, "recovery_turns", 1))
+            and turns_of(cfg) >= getattr(teacher, "recovery_turns", 1))
 
 
 def resolve_env(cfg: KeelConfig, env: EnvSpec | None = None) -> EnvSpec:
@@ -184,8 +273,41 @@ def resolve_env(cfg: KeelConfig, env: EnvSpec | None = None) -> EnvSpec:
         check_env_section(cfg.env, spec)
     except ConfigError as error:
         raise error.with_prefix("env") from None
-    check_run_config(cfg, spec)
+    check_run_config(settle_env(cfg, spec), spec)
     return spec
+
+
+def settle_env(cfg: KeelConfig, spec: EnvSpec) -> KeelConfig:
+    """`cfg` with env.max_turns settled: unset (None), it becomes `spec.max_turns`, or, for a kind
+    that declares none, the `max_turns` of an environment its training factory makes; set, it must
+    equal that environment's own limit (ConfigError naming both values). A kind that declares
+    `max_turns` builds its environments from env.max_turns, so any positive value is its own."""
+    import dataclasses
+
+    given = cfg.env.max_turns
+    if spec.max_turns is not None:
+        own = spec.max_turns if given is None else given
+    else:
+        own = getattr(spec.train_env(cfg)(), "max_turns", None)
+        if isinstance(own, bool) or not isinstance(own, int) or own < 1:
+            raise ConfigError("env.max_turns", f"{spec.label}'s environments have max_turns={own!r}, not a positive "
+                                               f"int: give them one, or declare EnvSpec(max_turns=...)")
+        if given is not None and given != own:
+            raise ConfigError("env.max_turns", f"env.max_turns={given}, but the environments of {spec.label} have "
+                                               f"max_turns={own}; leave env.max_turns unset to use the "
+                                               f"environment's own, or make its environments take {given}")
+    if given == own:
+        return cfg
+    return dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, max_turns=own))
+
+
+DEFAULT_MAX_TURNS = 5
+"""The built-in kinds' turn limit where env.max_turns is unset (`EnvSpec.max_turns`)."""
+
+
+def turns_of(cfg: KeelConfig) -> int:
+    """env.max_turns, or `DEFAULT_MAX_TURNS` where unset: what a built-in kind's factories build with."""
+    return DEFAULT_MAX_TURNS if cfg.env.max_turns is None else cfg.env.max_turns
 
 
 def split_tasks(tasks: Sequence[Any], seed: int, source: str) -> tuple[list[Any], list[Any]]:
@@ -239,11 +361,11 @@ def _coding_env(cfg: KeelConfig, training: bool) -> EnvFactory:
 
     env = cfg.env
     if training:
-        return CodingEnvFactory(env.verifier, partial_credit=env.partial_credit, max_turns=env.max_turns,
+        return CodingEnvFactory(env.verifier, partial_credit=env.partial_credit, max_turns=turns_of(cfg),
                                 show_tools=env.show_tools, show_file=env.show_file, key_weight=env.key_check_weight,
                                 hidden_paths=coding_hidden_paths(cfg), shaping=env.shaping,
                                 malformed_cost=env.malformed_cost)
-    return CodingEnvFactory("strong", partial_credit=False, max_turns=env.max_turns, show_tools=env.show_tools,
+    return CodingEnvFactory("strong", partial_credit=False, max_turns=turns_of(cfg), show_tools=env.show_tools,
                             show_file=env.show_file, key_weight=1.0, hidden_paths=coding_hidden_paths(cfg))
 
 
@@ -278,7 +400,7 @@ def _guess_tasks(cfg: KeelConfig) -> tuple[list[Any], list[Any]]:
 def _guess_env(cfg: KeelConfig, training: bool) -> EnvFactory:
     from keelrl.envs.guess import GuessEnvFactory
 
-    return GuessEnvFactory(cfg.env.max_turns, cfg.env.verifier if training else "strong")
+    return GuessEnvFactory(turns_of(cfg), cfg.env.verifier if training else "strong")
 
 
 def _guess_teacher(cfg: KeelConfig) -> DemoTeacher:
@@ -300,7 +422,7 @@ def _rg_env(cfg: KeelConfig, training: bool) -> EnvFactory:
     from keelrl.envs.reasoning_gym import ReasoningGymEnvFactory
 
     env = cfg.env
-    return ReasoningGymEnvFactory(env.dataset, env.rg_size, env.rg_seed, max_turns=env.max_turns,
+    return ReasoningGymEnvFactory(env.dataset, env.rg_size, env.rg_seed, max_turns=turns_of(cfg),
                                   show_tools=env.show_tools)
 
 
@@ -317,24 +439,27 @@ def _rg_validate(env: EnvConfig) -> None:
 
 
 def _register_builtins() -> None:
-    from keelrl.alarms import PATCH_TOOLS
-    from keelrl.envs.guess import GUESS_VERIFIERS
-    from keelrl.envs.reasoning_gym import ANSWER_TOOL, RG_VERIFIERS
+    from keelrl.envs.coding import CODING_TOOLS, PATCH_TOOLS
+    from keelrl.envs.guess import GUESS_TOOLS, GUESS_VERIFIERS
+    from keelrl.envs.reasoning_gym import ANSWER_TOOL, RG_TOOLS, RG_VERIFIERS
 
     register_env(EnvSpec(name="coding", tasks=_coding_tasks, train_env=lambda cfg: _coding_env(cfg, True),
                          eval_env=lambda cfg: _coding_env(cfg, False), teacher=_coding_teacher,
                          answer_tools=PATCH_TOOLS, verifiers=_coding_verifiers(), family=_coding_family,
-                         title="the coding environment",
-                         fields=("tasks", "key_check_weight", "shaping", "malformed_cost"),
+                         title="the coding environment", max_turns=DEFAULT_MAX_TURNS, tools=CODING_TOOLS,
+                         test_tool="test", hidden_paths=coding_hidden_paths,
+                         fields=("tasks", "split_seed", "partial_credit", "key_check_weight", "show_tools",
+                                 "show_file", "shaping", "malformed_cost"),
                          off={"shaping": 0.0, "malformed_cost": 0.0}))
     register_env(EnvSpec(name="guess", tasks=_guess_tasks, train_env=lambda cfg: _guess_env(cfg, True),
                          eval_env=lambda cfg: _guess_env(cfg, False), teacher=_guess_teacher,
                          answer_tools=("guess",), verifiers=GUESS_VERIFIERS, title="the guessing game",
-                         fields=("guess_n", "guess_tasks")))
+                         max_turns=DEFAULT_MAX_TURNS, tools=GUESS_TOOLS,
+                         fields=("guess_n", "guess_tasks", "split_seed")))
     register_env(EnvSpec(name="reasoning_gym", tasks=_rg_tasks, train_env=lambda cfg: _rg_env(cfg, True),
                          eval_env=lambda cfg: _rg_env(cfg, False), teacher=_rg_teacher,
                          answer_tools=(ANSWER_TOOL,), verifiers=RG_VERIFIERS, validate=_rg_validate,
-                         title="env.name=reasoning_gym", fields=("dataset", "rg_size", "rg_seed")))
-
+                         title="env.name=reasoning_gym", max_turns=DEFAULT_MAX_TURNS, tools=RG_TOOLS,
+                         fields=("dataset", "rg_size", "rg_seed", "split_seed", "show_tools")))
 
 _register_builtins()

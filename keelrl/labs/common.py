@@ -14,10 +14,11 @@ LAB_FAST = ["rollout.tasks_per_step=4", "rollout.group_size=4", "rollout.max_new
             "warm_start.demos=128", "warm_start.epochs=3", "rollout.engine=sync"]
 """Budget shared by the labs' training runs (one warm start, short RL, a 40-task held-out eval)."""
 
-GUESS = ["env.name=guess", "env.max_turns=5", "rollout.max_new_tokens=24", "rollout.tasks_per_step=8",
+GUESS = ["env.name=guess", "env.partial_credit=false", "env.show_file=true", "env.max_turns=5", "rollout.max_new_tokens=24", "rollout.tasks_per_step=8",
          "warm_start.demos=256", "warm_start.mistake_rate=0.6", "eval.tasks=100"]
 """The guessing-game labs (credit, dynamic-sampling): find 1..16 in 5 guesses, after a warm start
-on a teacher that errs."""
+on a teacher that errs. The tiny recipe's coding settings (partial credit, the file not shown) go
+back to their defaults: the guessing game reads neither."""
 
 
 HACK = [*GUESS, "warm_start.mistake_rate=0.3", "rollout.tasks_per_step=16", "eval.tasks=200"]

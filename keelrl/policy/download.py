@@ -417,15 +417,49 @@ def _check_saved_tokenizer(out_dir: Path, expected: Any) -> None:
         raise ModelFetchError(f"saved tokenizer in {out_dir} encodes {probe!r} differently from the GGUF's")
 
 
+def check_model_path(path: str) -> None:
+    """Raise ModelPathError (a FileNotFoundError) unless `path` is a registered name, an existing
+    .gguf file or a directory with a config.json; the message suggests the nearest registered name
+    or sibling path. Nothing is fetched or loaded."""
+    if path in MODELS:
+        return
+    candidate = Path(path).expanduser()
+    if candidate.suffix == ".gguf" and candidate.is_file():
+        return
+    if (candidate / "config.json").exists():
+        return
+    problem = ("no such file" if candidate.suffix == ".gguf" else
+               "no config.json there" if candidate.is_dir() else "no such directory or registered name")
+    raise ModelPathError(f"model path {path!r}: {problem}{_did_you_mean(path, candidate)}; give a registered name "
+                         f"({', '.join(MODELS)}; `keel model list`), a local Hugging Face model directory or a "
+                         f".gguf file")
+
+
+class ModelPathError(FileNotFoundError):
+    """model.path names nothing keelrl can load (`check_model_path`)."""
+
+
+def _did_you_mean(path: str, candidate: Path) -> str:
+    import difflib
+
+    names = list(MODELS)
+    parent = candidate.parent if str(candidate.parent) else Path(".")
+    if parent.is_dir() and candidate.name:
+        try:
+            names += [str(parent / child.name) if str(candidate.parent) != "." else child.name
+                      for child in parent.iterdir() if child.is_dir() or child.suffix == ".gguf"][:500]
+        except OSError:
+            pass
+    close = difflib.get_close_matches(path, names, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def resolve_model_path(path: str) -> Path:
     """A registered name, a local .gguf file or a local model directory -> a local model directory."""
+    check_model_path(path)
     if path in MODELS:
         return fetch_model(path)
     candidate = Path(path).expanduser()
     if candidate.suffix == ".gguf":
         return fetch_gguf(candidate)
-    if not (candidate / "config.json").exists():
-        raise FileNotFoundError(f"model path {path!r} has no config.json; give a local Hugging Face model "
-                                f"directory, a .gguf file, or a registered name ({', '.join(MODELS)}; "
-                                f"see `keel model list`)")
     return candidate

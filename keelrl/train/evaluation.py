@@ -96,15 +96,11 @@ def action_error_frac(trajectories: Sequence[Trajectory]) -> float:
     return sum(t.action_errors for t in trajectories) / max(1, sum(len(t.actions) for t in trajectories))
 
 
-TEST_TOOL = "test"
-"""The tool that runs the visible tests (the coding environment's); its info carries the counts."""
-
-
-def first_test_failed(trajectory: Trajectory, edit_tools: Sequence[str]) -> bool | None:
-    """Whether the episode's first accepted edit failed a visible test: the visible-test counts the
-    edit's own turn records (`info["visible_passed"]` of shaping) when present, else the first
-    `test` run after it (`tests_failed` or `tests_error`); None when no edit was made or no test
-    ran after it (unknown)."""
+def first_test_failed(trajectory: Trajectory, edit_tools: Sequence[str], test_tool: str) -> bool | None:
+    """Whether the episode's first accepted edit (a call to one of `edit_tools`) failed a visible
+    test: the visible-test counts the edit's own turn records (`info["visible_passed"]` of shaping)
+    when present, else the first `test_tool` run after it (`tests_failed` or `tests_error`); None
+    when no edit was made or no test ran after it (unknown)."""
     edited = False
     for info in trajectory.turn_info:
         if not edited:
@@ -113,24 +109,26 @@ def first_test_failed(trajectory: Trajectory, edit_tools: Sequence[str]) -> bool
                 if "visible_passed" in info:
                     return bool(info["visible_passed"] < info.get("visible_total", 0))
             continue
-        if info.get("tool") == TEST_TOOL and not info.get("error"):
+        if test_tool and info.get("tool") == test_tool and not info.get("error"):
             return bool(info.get("tests_error") or info.get("tests_failed", 0) > 0)
     return None
 
 
-def agent_report(trajectories: Sequence[Trajectory], edit_tools: Sequence[str] = ("replace", "edit")) -> dict[str, Any]:
-    """How the episodes behaved as an agent's: turns per episode, the share that ran the visible
-    tests before ending (`tested_frac`), the recovery rate (of the episodes whose first edit
+def agent_report(trajectories: Sequence[Trajectory], edit_tools: Sequence[str], test_tool: str = "") -> dict[str, Any]:
+    """How the episodes behaved as an agent's, given the environment's answer tools (`edit_tools`)
+    and its tool that runs the visible tests (`test_tool`, "" when it has none; `EnvSpec`): turns
+    per episode, the share that ran the visible tests before ending (`tested_frac`), the recovery rate (of the episodes whose first edit
     failed a visible test, as `first_test_failed` knows it, the share that ended solved), strict
     success by number of turns, the malformed-action share (of turns) and the context-limit share
     (of episodes). Episodes whose environment failed are left out."""
     rows = [t for t in trajectories if t.termination != "env_error"]
     n = max(1, len(rows))
-    failed_first = [t for t in rows if first_test_failed(t, edit_tools)]
+    failed_first = [t for t in rows if first_test_failed(t, edit_tools, test_tool)]
     by_turns: dict[int, list[Trajectory]] = defaultdict(list)
     for t in rows:
         by_turns[len(t.actions)].append(t)
-    tested = sum(any(info.get("tool") == TEST_TOOL and not info.get("error") for info in t.turn_info) for t in rows)
+    tested = sum(bool(test_tool) and any(info.get("tool") == test_tool and not info.get("error")
+                                         for info in t.turn_info) for t in rows)
     return {"episodes": len(rows), "turns_mean": sum(len(t.actions) for t in rows) / n, "tested_frac": tested / n,
             "first_edit_failed": len(failed_first),
             "recovery_rate": (sum(t.success for t in failed_first) / len(failed_first)) if failed_first else math.nan,
@@ -156,9 +154,10 @@ class Evaluator:
 
     def __init__(self, cfg: KeelConfig, model: Any, tokenizer: Any, device: torch.device, make_env: Callable[[], Any],
                  rollout: EpisodeLimits, prm: ProcessRewardModel | None, autocast: Callable[[], Any],
-                 edit_tools: Sequence[str] = ("replace", "edit"), family: Callable[[Any], str] | None = None) -> None:
+                 edit_tools: Sequence[str] = (), family: Callable[[Any], str] | None = None,
+                 test_tool: str = "") -> None:
         self.cfg, self.model, self.tokenizer, self.device = cfg, model, tokenizer, device
-        self.edit_tools, self.family = tuple(edit_tools), family
+        self.edit_tools, self.test_tool, self.family = tuple(edit_tools), test_tool, family
         self.make_env, self.rollout, self.prm, self.autocast = make_env, rollout, prm, autocast
         self._copy: Any = None
         self.last_report: dict[str, Any] | None = None
@@ -189,7 +188,7 @@ class Evaluator:
                                     self.rollout, seed=self.cfg.seed + 7919)
         report = heldout_report(trajectories, [getattr(task, "kind", "all") for task in tasks],
                                 None if self.family is None else [self.family(task) for task in tasks])
-        agent = agent_report(trajectories, self.edit_tools)
+        agent = agent_report(trajectories, self.edit_tools, self.test_tool)
         report["agent"] = {**agent, "recovery_rate": finite_or_none(agent["recovery_rate"])}
         self.last_report = report
         by_family = report.get("by_family", {})

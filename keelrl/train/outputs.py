@@ -63,8 +63,10 @@ def groups_of(trajectories: Sequence[Trajectory]) -> list[list[Trajectory]]:
     return list(groups.values())
 
 
-def episode_metrics(trajectories: Sequence[Trajectory], tokens: int, answer_tools: tuple[str, ...]) -> dict[str, Any]:
-    """The train/ means over the step's graded episodes (`tokens`: their attended tokens)."""
+def episode_metrics(trajectories: Sequence[Trajectory], tokens: int, answer_tools: tuple[str, ...],
+                    test_tool: str = "") -> dict[str, Any]:
+    """The train/ means over the step's graded episodes (`tokens`: their attended tokens), the
+    environment's answer tools and test tool naming what the agent metrics count (`EnvSpec`)."""
     n = len(trajectories)
     return {"train/reward": sum(t.reward for t in trajectories) / n,
             "train/success": sum(t.success for t in trajectories) / n,
@@ -76,7 +78,7 @@ def episode_metrics(trajectories: Sequence[Trajectory], tokens: int, answer_tool
             "train/context_limit_frac": context_limit_frac(trajectories),
             "train/turn_reward": sum(sum(t.turn_rewards) for t in trajectories) / n,
             "train/distinct_patches": distinct_patches(groups_of(trajectories), answer_tools),
-            **{key: value for key, value in agent_metrics(agent_report(trajectories, answer_tools), "train/").items()
+            **{key: value for key, value in agent_metrics(agent_report(trajectories, answer_tools, test_tool), "train/").items()
                if key not in ("train/turns_mean", "train/action_error_frac", "train/context_limit_frac")}}
 
 

@@ -42,7 +42,7 @@ import torch
 from keelrl.alarms import AlarmMonitor
 from keelrl.components import check
 from keelrl.config import KeelConfig, dump_config, to_dict, with_paths
-from keelrl.envs.registry import EnvSpec, coding_hidden_paths, resolve_env
+from keelrl.envs.registry import EnvSpec, resolve_env, settle_env
 from keelrl.envs.tasks import Task
 from keelrl.metrics import MetricsLogger
 from keelrl.policy.critic import build_critic
@@ -59,6 +59,7 @@ from keelrl.runs import (ALARMS, CONFIG, atomic_write_text, clear_outputs, forge
 from keelrl.sinks import check_sinks
 from keelrl.train import state
 from keelrl.train.advantage import AdvantageStage, arrival_stats
+from keelrl.train.console import ConsoleProgress
 from keelrl.train.curriculum import Curriculum
 from keelrl.train.distill import Teacher
 from keelrl.train.episodes import TokenRecord
@@ -96,6 +97,10 @@ def precision_line(resolved: dict[str, Any]) -> str:
                                      for use in ("eval", "learner"))
 
 
+def _silent(event: str, info: dict[str, Any]) -> None:
+    """The progress callback of a Trainer given none (outside `train()`)."""
+
+
 def load_task_splits(cfg: KeelConfig, env: EnvSpec | None = None) -> tuple[list[Any], list[Any]]:
     """(train, heldout) tasks of the run's environment (`env`, else the one registered as env.name)."""
     spec = resolve_env(cfg, env)
@@ -121,14 +126,16 @@ class Trainer:
                  run_dir: str | Path | None = None) -> None:
         cfg = with_paths(cfg, model=model, tasks=tasks, run_dir=run_dir,
                          env_name=env.name if isinstance(env, EnvSpec) else None)
-        self.cfg = cfg
         self.env_spec = check(cfg, env)  # every component the config names, before any model loads
         """The run's environment kind (keelrl.envs.registry)."""
+        cfg = settle_env(cfg, self.env_spec)  # env.max_turns: the environment's own where unset
+        self.cfg = cfg
         train, heldout = self.env_spec.tasks(cfg)  # a bad task file fails now
         self.train_tasks, self.heldout_tasks = list(train), list(heldout)
         self.run_dir = Path(cfg.run_dir)
         check_sinks(cfg.log, self.run_dir)  # a missing wandb/mlflow fails now, before the model loads
-        self.progress = progress or (lambda event, info: None)
+        self.progress = progress or _silent
+        self._own_progress = progress is not None
         self.device = resolve_device(cfg.device)
         if cfg.perf.learner_cores:  # before the first torch op starts its thread pool
             pin_to_cores(cfg.perf.learner_cores)
@@ -175,9 +182,10 @@ class Trainer:
         self._local_envs = {True: self.env_spec.train_env(cfg), False: self.env_spec.eval_env(cfg)}
         self.evaluator = Evaluator(cfg, self.model, self.tokenizer, self.device, self._local_envs[False],
                                    self._limits(), self.prm, self.learner.autocast, self._answer_tools,
-                                   family=self.env_spec.family)
+                                   family=self.env_spec.family, test_tool=self.env_spec.test_tool)
         self.outputs = RunOutputs(cfg, self.run_dir, self.tokenizer,
-                                  {task.id: getattr(task, "kind", "") for task in self.train_tasks}, self.progress)
+                                  {task.id: getattr(task, "kind", "") for task in self.train_tasks},
+                                  lambda event, info: self.progress(event, info))  # train() may swap it
         self.step = 0
         self.skipped_steps = 0
         self.summary: dict[str, Any] = {}
@@ -188,8 +196,9 @@ class Trainer:
         return self.learner.optimizer
 
     def hidden_paths(self) -> list[str]:
-        """What the coding sandbox hides from the code it runs (`coding_hidden_paths`)."""
-        return coding_hidden_paths(self.cfg)
+        """What the environment's sandbox hides from the code it runs (`EnvSpec.hidden_paths`; none
+        for an environment that runs no code)."""
+        return [] if self.env_spec.hidden_paths is None else self.env_spec.hidden_paths(self.cfg)
 
     def _env(self, training: bool) -> Callable[[], Any]:
         """This process's environments: graded by the training verifier (warm start, teacher
@@ -303,7 +312,7 @@ class Trainer:
         learn_seconds = time.monotonic() - learn_started
         tokens = int(batch.attention_mask.sum())
         row = {**update.metrics, **estimated.stats, **row,
-               **episode_metrics(trajectories, tokens, self._answer_tools),
+               **episode_metrics(trajectories, tokens, self._answer_tools, self.env_spec.test_tool),
                "train/updates": update.updates, "train/skipped_updates": update.skipped, "train/lr": update.lr,
                "train/micro_batches": update.micro_batches, "time/step_s": seconds, "time/learn_s": learn_seconds,
                "time/learner_util": learn_seconds / max(seconds, 1e-9),
@@ -325,8 +334,17 @@ class Trainer:
 
     # ----------------------------------------------------------------- the job
     def train(self) -> dict[str, Any]:
-        """The whole job, from the start: `run()`. -> summary.json's content."""
-        return self.run()
+        """The whole job, from the start: `run()`. -> summary.json's content. Without a `progress`
+        callback of its own, it shows the run's progress as `keel train` does (keelrl.train.console)."""
+        if self._own_progress:
+            return self.run()
+        console = ConsoleProgress(self.cfg.train.steps)
+        self.progress = console
+        try:
+            with console:
+                return self.run()
+        finally:
+            self.progress = _silent
 
     def _start(self, logger: MetricsLogger, monitor: AlarmMonitor) -> None:
         """A fresh run up to RL: base evaluation, warm start, frozen reference, evaluation before

@@ -1,0 +1,126 @@
+"""A user's environment package through every `keel` command, as its author would run them.
+
+examples/units_env is a separate package (`keel-units`, installed beside keelrl by .ci/run and
+the README's test setup) that declares its environments under the `keelrl.envs` entry point
+group: `units` (a strict verifier) and `units_lenient` (a factory returning a spec whose verifier
+accepts anything within 1.0). Nothing here registers them: keelrl finds them by name, or by
+import path, in every command, in a fresh process each time (the real `keel` console script).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from keelrl.components import check
+from keelrl.config import load_config
+from keelrl.envs.registry import ENVIRONMENTS, env_spec, settle_env
+from keelrl.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+
+try:
+    import keel_units
+except ImportError as error:  # a failure, not a skip: CI must run these
+    raise ImportError("the user-style environment package is not installed: "
+                      "pip install -e examples/units_env") from error
+
+QUICK = ["model.path=tiny", "algo.preset=grpo", "warm_start.demos=24", "warm_start.epochs=2", "warm_start.batch_size=8",
+         "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=24", "rollout.engine=sync",
+         "train.minibatch_size=4", "eval.tasks=6", "perf.learner_precision=float32", "eval.dtype=float32"]
+
+
+def keel(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    exe = shutil.which("keel", path=str(Path(sys.executable).parent))
+    assert exe, "the keel console script is not installed next to this interpreter"
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+def test_the_entry_points_and_the_import_path_name_the_same_environment():
+    assert "units" not in ENVIRONMENTS  # found through the entry point, not registered
+    assert env_spec("units") is keel_units.UNITS
+    assert env_spec("keel_units:UNITS") is keel_units.UNITS
+    lenient = env_spec("units_lenient")  # the entry point names a factory: called for the spec
+    assert lenient.name == "units_lenient" and lenient.answer_tools == ("answer",)
+
+
+def test_bad_names_are_one_line_errors_naming_env_name():
+    for name, expected in (("unitz", "unknown environment 'unitz'"),
+                           ("keel_units:UNITZ", "has no attribute 'UNITZ'"),
+                           ("no_such_pkg:X", "cannot import 'no_such_pkg'"),
+                           ("keel_units:make_tasks", "gives list, not an EnvSpec")):
+        with pytest.raises(ConfigError) as info:
+            check(load_config(overrides=[f"env.name={name}"]))
+        assert info.value.field == "env.name" and expected in str(info.value), name
+    result = keel("train", "env.name=unitz", "run_dir=/nonexistent")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "units" in result.stderr  # the valid names include the entry point's
+
+
+def test_the_environments_own_max_turns_is_honoured_and_a_conflict_names_both():
+    spec = check(load_config(overrides=["env.name=units"]))
+    assert settle_env(load_config(overrides=["env.name=units"]), spec).env.max_turns == 3
+    assert settle_env(load_config(overrides=["env.name=units", "env.max_turns=3"]), spec).env.max_turns == 3
+    with pytest.raises(ConfigError) as info:
+        check(load_config(overrides=["env.name=units", "env.max_turns=6"]))
+    assert info.value.field == "env.max_turns" and "6" in str(info.value) and "max_turns=3" in str(info.value)
+    # The built-in kinds take env.max_turns: unset gives their default, set gives what was set.
+    coding = check(load_config())
+    assert settle_env(load_config(), coding).env.max_turns == 5
+    assert settle_env(load_config(overrides=["env.max_turns=2"]), coding).env.max_turns == 2
+
+
+@pytest.mark.parametrize("setting", ["env.partial_credit=true", "env.show_file=false", "env.show_tools=true",
+                                     "env.guess_n=8", "env.tasks=real", "env.shaping=0.5", "env.verifier=weak"])
+def test_a_setting_the_environment_does_not_read_is_refused(setting):
+    with pytest.raises(ConfigError) as info:
+        check(load_config(overrides=["env.name=units", setting]))
+    assert info.value.field == setting.split("=")[0], setting
+    assert "units" in str(info.value)
+
+
+def test_every_keel_command_takes_the_users_environment(tmp_path):
+    run = tmp_path / "run"
+    config = keel("config", "env.name=units", *QUICK)
+    assert config.returncode == 0, config.stderr
+    assert "name: units" in config.stdout and "max_turns: 3" in config.stdout
+
+    train = keel("train", "env.name=units", *QUICK, "train.steps=1", f"run_dir={run}")
+    assert train.returncode == 0, train.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 1 and summary["heldout"]["final"]["tasks"] == 6
+    episodes = [json.loads(line) for line in (run / "episodes" / "step_0001.jsonl").read_text().splitlines()]
+    assert episodes and all("Convert " in json.dumps(e) for e in episodes)  # rollouts ran in the user's env
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["warm_start/demos"] == 24  # the user's teacher demonstrated every task
+
+    resumed = keel("train", "--resume", str(run), "train.steps=2")
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads((run / "summary.json").read_text())["steps"] == 2
+
+    evaluated = keel("eval", str(run), "eval.tasks=4")
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert json.loads(evaluated.stdout)["eval/tasks"] == 4
+
+    again = keel("config", str(run / "config.yaml"))
+    assert again.returncode == 0 and "name: units" in again.stdout, again.stderr
+
+    view = keel("view", str(run))
+    assert view.returncode == 0, view.stderr
+    assert "Convert " in (run / "view.html").read_text()
+
+
+def test_the_import_path_trains_through_the_python_api(tmp_path, capsys):
+    import keelrl
+
+    trainer = keelrl.Trainer(keelrl.configure(None, "env.name=keel_units:UNITS", *QUICK, "train.steps=1",
+                                              "warm_start.demos=8"), run_dir=tmp_path / "api")
+    assert trainer.cfg.env.max_turns == 3 and trainer.env_spec is keel_units.UNITS
+    summary = trainer.train()
+    assert summary["steps"] == 1
+    assert "warm start" in capsys.readouterr().err  # train() shows its progress as `keel train` does
