@@ -26,6 +26,7 @@ from typing import Any, Mapping
 
 from keelrl.components import explain as _explain_rows
 from keelrl.config import KeelConfig, apply_overrides, from_dict, load_config, to_dict, with_paths
+from keelrl.envs.registry import EnvSpec
 from keelrl.errors import ConfigError
 
 
@@ -59,14 +60,16 @@ def explain(section: str = "") -> str:
                      for name, default, help_text in rows)
 
 
-def warm_start(cfg: KeelConfig, out: str | Path) -> Path:
+def warm_start(cfg: KeelConfig, out: str | Path, env: EnvSpec | None = None, *, model: str | Path | None = None,
+               run_dir: str | Path | None = None) -> Path:
     """Only the warm start of `cfg` (SFT on the scripted teacher's successful episodes), saved as
-    a model directory at `out`; -> `out`. Train several variants from it with `model=out` and
+    a model directory at `out`; -> `out`. `env`, `model` and `run_dir` are the Trainer's: a user's
+    EnvSpec warm-starts on its own teacher. Train several variants from it with `model=out` and
     `warm_start.demos=0`, so they differ only in what comes after."""
     from keelrl.train.trainer import Trainer
 
     out = Path(out)
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, env=env, model=model, run_dir=run_dir)
     trainer.warm_start()
     trainer.model.save_pretrained(out)
     trainer.tokenizer.save_pretrained(out)

@@ -124,3 +124,17 @@ def test_the_import_path_trains_through_the_python_api(tmp_path, capsys):
     summary = trainer.train()
     assert summary["steps"] == 1
     assert "warm start" in capsys.readouterr().err  # train() shows its progress as `keel train` does
+
+
+def test_the_api_warm_start_takes_the_users_environment(tmp_path):
+    import keelrl
+    from keelrl.policy.model import load_policy
+
+    # The spec given is the run's environment: its own turn limit holds against the config's.
+    with pytest.raises(ConfigError, match="env.max_turns=6, but the environments of the units environment"):
+        keelrl.warm_start(keelrl.configure(None, *QUICK, "env.max_turns=6"), tmp_path / "no", env=keel_units.UNITS)
+    cfg = keelrl.configure(None, *QUICK, "warm_start.demos=8", "warm_start.own_mistakes=0")
+    out = keelrl.warm_start(cfg, tmp_path / "warm", env=keel_units.UNITS, run_dir=tmp_path / "run")
+    model, tokenizer = load_policy(str(out), "cpu")  # a complete model directory
+    assert tokenizer.chat_template and sum(p.numel() for p in model.parameters()) > 0
+    assert not (tmp_path / "no").exists()

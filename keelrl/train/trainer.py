@@ -43,7 +43,6 @@ from keelrl.alarms import AlarmMonitor
 from keelrl.components import check
 from keelrl.config import KeelConfig, dump_config, to_dict, with_paths
 from keelrl.envs.registry import EnvSpec, resolve_env, settle_env
-from keelrl.envs.tasks import Task
 from keelrl.metrics import MetricsLogger
 from keelrl.policy.critic import build_critic
 from keelrl.policy.model import load_policy, pin_to_cores, resolve_device
@@ -247,7 +246,7 @@ class Trainer:
                           self.tokenizer, self.learner, self.progress,
                           student=lambda: model_actor(self.model, self.tokenizer, self.rollout_sampling()))
 
-    def evaluate(self, tasks: Sequence[Task] | None = None) -> dict[str, float]:
+    def evaluate(self, tasks: Sequence[Any] | None = None) -> dict[str, float]:
         """Held-out success with the strong verifier, one attempt per task (keelrl.train.evaluation)."""
         return self.evaluator.evaluate(self.heldout_tasks[: self.cfg.eval.tasks] if tasks is None else tasks)
 
