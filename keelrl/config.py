@@ -672,6 +672,10 @@ class KeelConfig:
         if self.distill.mode == "self" and self.env.name != "coding":
             raise ConfigError("distill.mode", f"self-distillation shows the teacher each task's reference fix, which "
                                               f"only env.name=coding has (got env.name={self.env.name!r})")
+        if self.algo.overlong == "penalty" and self.algo.overlong_buffer > self.rollout.max_context_tokens:
+            raise ConfigError("algo.overlong_buffer", f"the penalty's buffer must fit in the context: at most "
+                                                      f"rollout.max_context_tokens={self.rollout.max_context_tokens}, "
+                                                      f"got {self.algo.overlong_buffer}")
 
 
 @lru_cache(maxsize=None)

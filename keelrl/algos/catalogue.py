@@ -15,6 +15,7 @@ from typing import Any
 from keelrl.algos.config import LEVELS, AlgoConfig
 from keelrl.algos.corrections import describe_correction
 from keelrl.algos.losses import describe_clip
+from keelrl.algos.overlong import OVERLONG_MODES
 from keelrl.algos.presets import PRESETS
 from keelrl.algos.registries import ADVANTAGES, AGGREGATIONS, ALL, RATIOS
 
@@ -103,6 +104,8 @@ def choices_for(field: str) -> list[str]:
         return list(PRESETS)
     if field == "level":
         return list(LEVELS)
+    if field == "overlong":
+        return list(OVERLONG_MODES)
     if field in ALL:
         return ALL[field].names()
     return []

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from keelrl.algos.overlong import OVERLONG_MODES
 from keelrl.errors import ConfigError
 
 LEVELS = ("token", "turn")
@@ -110,6 +111,18 @@ class AlgoConfig:
     """icepop masks a token whose pi_prox / mu is below this (IcePop's alpha)."""
     icepop_high: float = FROM_PRESET
     """icepop masks a token whose pi_prox / mu is above this (IcePop's beta)."""
+    overlong: str = FROM_PRESET
+    """What an episode cut by the turn or context limit (termination max_turns or context_limit;
+    not one the environment ended with done) does to the update (keelrl.algos.overlong): keep
+    (its reward is its grade), mask (DAPO's overlong filtering: its tokens leave the loss, it
+    stays in its group's baseline) or penalty (DAPO's soft overlong punishment added to every
+    reward: -overlong_penalty for a cut episode, a linear ramp over the last overlong_buffer
+    tokens before rollout.max_context_tokens for the others)."""
+    overlong_buffer: int = FROM_PRESET
+    """penalty: DAPO's L_cache, the tokens before rollout.max_context_tokens over which an episode's
+    context length ramps its penalty from 0 to -overlong_penalty (0: only cut episodes pay)."""
+    overlong_penalty: float = FROM_PRESET
+    """penalty: the reward a cut episode loses (DAPO: 1; verl's penalty_factor)."""
 
     def __post_init__(self) -> None:
         from keelrl.algos import advantages, corrections, losses, ratios  # noqa: F401  (they fill the registries)
@@ -136,6 +149,11 @@ class AlgoConfig:
         registries.ROLLOUT_CORRECTIONS.check(self.rollout_correction, "rollout_correction")
         if self.level not in LEVELS:
             raise ConfigError("level", f"must be one of {', '.join(LEVELS)}, got {self.level!r}")
+        if self.overlong not in OVERLONG_MODES:
+            raise ConfigError("overlong", f"must be one of {', '.join(OVERLONG_MODES)}, got {self.overlong!r}")
+        if self.overlong_buffer < 0:
+            raise ConfigError("overlong_buffer", f"must be >= 0 tokens, got {self.overlong_buffer!r}")
+        _in_range("overlong_penalty", self.overlong_penalty, 0.0, None)
         _in_range("eps_low", self.eps_low, 0.0, 1.0)
         _in_range("eps_high", self.eps_high, 0.0, None)
         _in_range("gamma", self.gamma, 0.0, 1.0)

@@ -49,6 +49,9 @@ BASE_SETTINGS: Mapping[str, Any] = MappingProxyType({
     "geo_mask_high": 1.01,
     "icepop_low": 0.5,
     "icepop_high": 5.0,
+    "overlong": "keep",
+    "overlong_buffer": 512,
+    "overlong_penalty": 1.0,
 })
 
 
@@ -90,7 +93,7 @@ _PRESET_LIST = [
     Preset("dapo", "Yu et al. 2025 (DAPO)",
            {"advantage": "grpo", "eps_low": 0.2, "eps_high": 0.28, "aggregation": "token_mean",
             "dynamic_sampling": True},
-           note="overlong reward shaping is a reward setting, not part of this preset"),
+           note="overlong reward shaping is a separate setting, off here: algo.overlong=penalty"),
     Preset("cispo", "MiniMax 2025 (MiniMax-M1)",
            {"advantage": "grpo", "clip": "cispo", "eps_low": 1.0, "eps_high": 0.28,
             "aggregation": "token_mean"},

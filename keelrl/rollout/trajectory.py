@@ -15,6 +15,12 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+CUT_TERMINATIONS = ("max_turns", "context_limit")
+"""The terminations of an episode a limit ended, not the agent (`Trajectory.cut`): the turn limit,
+the library's or the environment's own (an environment that ends the episode at its turn limit
+says info["termination"] = "max_turns"), and the context limit. An episode the environment ended
+with done (and no such info) is 'submitted'."""
+
 
 @dataclass
 class Trajectory:
@@ -71,6 +77,11 @@ class Trajectory:
         return sum(self.action_mask)
 
     @property
+    def cut(self) -> bool:
+        """A limit ended the episode, not the agent (termination in `CUT_TERMINATIONS`)."""
+        return self.termination in CUT_TERMINATIONS
+
+    @property
     def turn_rewards(self) -> list[float]:
         """Each turn's own reward (info["reward"], 0 where the environment gave none), beside the
         outcome reward the grade gives the episode."""
@@ -109,6 +120,8 @@ class Batch:
     """[B, T] long: each labelled turn's process label (0 or 1) at its last action token, -1 elsewhere."""
     step_rewards: Tensor | None = None
     """[B, T] float: each turn's own reward (`Trajectory.turn_rewards`) at its last action token, 0 elsewhere."""
+    cut: Tensor | None = None
+    """[B] bool: the episode was cut by a limit (`Trajectory.cut`); None reads as no episode cut."""
 
     def to(self, device: torch.device) -> "Batch":
         return Batch(**{name: None if value is None else value.to(device)  # type: ignore[arg-type]
@@ -143,7 +156,9 @@ def collate(trajectories: Sequence[Trajectory], pad_id: int) -> Batch:
         turns[row, :n] = torch.tensor(trajectory.turn_ids)
     rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
     groups = torch.tensor([t.group_id for t in trajectories], dtype=torch.long)
-    return Batch(input_ids, attention, action, behaviour, turns, rewards, groups, observation, labels, step_rewards)
+    cut = torch.tensor([t.cut for t in trajectories], dtype=torch.bool)
+    return Batch(input_ids, attention, action, behaviour, turns, rewards, groups, observation, labels, step_rewards,
+                 cut)
 
 
 def last_action_positions(trajectory: Trajectory) -> dict[int, int]:

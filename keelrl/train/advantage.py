@@ -4,7 +4,8 @@ In this order, all without gradients:
 1. the no-grad passes: the policy's proximal log-probs (with the critic's values and, for the
    process reward model, the hidden states at labelled turns) unless the update's own pass
    gives them (`prox_from_update`), and the frozen reference's log-probs;
-2. the outcome reward on the last action token, each turn's own reward (`Batch.step_rewards`:
+2. the outcome reward (with `algo.overlong=penalty`, plus DAPO's soft overlong punishment:
+   keelrl.algos.overlong) on the last action token, each turn's own reward (`Batch.step_rewards`:
    an environment's per-turn reward, e.g. the coding environment's potential-based shaping) on
    that turn's last action token, less the KL penalty when it is in the reward
    (`algo.kl_in_reward`);
@@ -14,7 +15,12 @@ In this order, all without gradients:
 5. distillation shaping: minus `distill.coef` x the teacher's sampled reverse KL per token
    (`distill.form=advantage`);
 6. for a batch the teacher sampled (GKD), no RL term: advantages 0, the student's own
-   pre-update log-probs as the behaviour log-probs.
+   pre-update log-probs as the behaviour log-probs;
+7. otherwise, with `algo.overlong=mask`, the episodes cut by a limit leave the updates' action
+   mask (their advantages 0), after steps 2-5 counted them in their groups' baselines.
+
+Every step logs `train/overlong_frac`, the share of the batch's episodes a limit cut, whatever
+`algo.overlong` does with them.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from keelrl.algos import compute_advantages, correction_weights, outcome_to_toke
 from keelrl.algos.config import AlgoConfig
 from keelrl.algos.distill import sampled_reverse_kl
 from keelrl.algos.losses import kl_reward_penalty
+from keelrl.algos.overlong import overlong_filter, overlong_shaping
 from keelrl.config import KeelConfig
 from keelrl.policy.prefix import chunked_token_logprobs
 from keelrl.rollout.trajectory import Batch
@@ -124,7 +131,7 @@ class AdvantageStage:
     @torch.no_grad()
     def __call__(self, batch: Batch, teacher_view: TeacherView | None = None,
                  sampled_by_teacher: bool = False) -> Advantages:
-        """Steps 1-6 of the module docstring over `batch`. `teacher_view`: the teacher's side of
+        """Steps 1-7 of the module docstring over `batch`. `teacher_view`: the teacher's side of
         the batch (distillation); `sampled_by_teacher`: the teacher sampled the batch (step 6)."""
         algo, temperature = self.cfg.algo, self.cfg.rollout.temperature
         mask = batch.action_mask
@@ -138,7 +145,10 @@ class AdvantageStage:
                                                   value_fn=self.value_head, positions=mask, temperature=temperature,
                                                   keys=keys, hidden_at=steps if self.prm is not None else None)
         prox_logp = prox_out.get("logp")
-        token_rewards = outcome_to_token_rewards(batch.rewards, mask)
+        cut = batch.cut if batch.cut is not None else torch.zeros_like(batch.group_ids, dtype=torch.bool)
+        rewards, overlong_stats = overlong_shaping(batch.rewards, lengths=batch.attention_mask.sum(1), cut=cut,
+                                                   max_len=self.cfg.rollout.max_context_tokens, cfg=algo)
+        token_rewards = outcome_to_token_rewards(rewards, mask)
         if batch.step_rewards is not None:
             token_rewards = token_rewards + batch.step_rewards.to(token_rewards.dtype).masked_fill(~mask, 0.0)
         ref_logp = None
@@ -154,7 +164,10 @@ class AdvantageStage:
         out = compute_advantages(token_rewards=token_rewards, mask=mask, group_ids=batch.group_ids, cfg=algo,
                                  values=values, turn_ids=batch.turn_ids)
         advantages = out.advantages
-        stats: dict[str, float] = {"train/zero_advantage_frac": zero_advantage_frac(batch)}
+        stats: dict[str, float] = {
+            "train/zero_advantage_frac": zero_advantage_frac(dataclasses.replace(batch, rewards=rewards)),
+            "train/overlong_frac": cut.float().mean().item(),
+            **{key: float(value) for key, value in overlong_stats.items()}}
         prm_stats: dict[str, float] = {}
         if self.prm is not None:
             features = prox_out["hidden_at"]
@@ -173,6 +186,10 @@ class AdvantageStage:
                 advantages = advantages - self.cfg.distill.coef * sampled_kl.to(advantages.dtype)
         stats.update(prm_stats)
         stats.update(good_turn_credit(advantages, batch))
+        if not sampled_by_teacher:  # 7: the teacher's cut samples are still its samples to distil
+            advantages, loss_mask, filter_stats = overlong_filter(advantages, mask, cut, algo)
+            batch = dataclasses.replace(batch, action_mask=loss_mask)
+            stats.update({key: float(value) for key, value in filter_stats.items()})
         if prox_logp is not None:
             stats.update(arrival_stats(prox_logp, batch, algo))
         if sampled_by_teacher:  # another policy's samples: distil on them, do not reinforce them

@@ -19,7 +19,8 @@ corrections see every action token of a row.
 One step's updates read one `UpdateInputs` (fixed before the first update) and give one
 `UpdateResult`; `Learner.update` runs `train.epochs` passes over the batch in minibatches of
 whole groups, with the step's learning rate, skipping (and counting) any update whose loss or
-gradient is not finite.
+gradient is not finite. A minibatch with no token in any loss term (every row an overlong episode
+that `algo.overlong=mask` left out) makes no optimiser step and is not counted.
 """
 
 from __future__ import annotations
@@ -259,6 +260,8 @@ class Learner:
             order = group_order(group_ids, rng)
             for start in range(0, len(order), train.minibatch_size):
                 rows = torch.tensor(order[start:start + train.minibatch_size], device=self.device)
+                if not self.has_loss_terms(inputs.batch, rows):  # e.g. every row cut and masked (algo.overlong)
+                    continue
                 self.optimizer.zero_grad(set_to_none=True)
                 result = self.accumulate_gradients(inputs, rows, record=record if epoch == 0 else None)
                 micro_batches += result.passes
@@ -281,6 +284,16 @@ class Learner:
                     sums[key] = sums.get(key, 0.0) + value
         return UpdateResult({key: value / max(1, updates) for key, value in sums.items()}, updates, skipped,
                             micro_batches, lr, prox)
+
+    def has_loss_terms(self, batch: Batch, rows: Tensor) -> bool:
+        """Whether the minibatch `rows` of `batch` has a token any loss term reads: an action token,
+        or an observation token of the observation loss. A minibatch without one makes no
+        optimiser step (neither an update nor a skipped one): AdamW would move the weights on its
+        zero gradient, by momentum and weight decay."""
+        if bool(batch.action_mask[rows].any()):
+            return True
+        return (self.cfg.distill.observation_coef > 0 and batch.observation_mask is not None
+                and bool(batch.observation_mask[rows].any()))
 
     def accumulate_gradients(self, inputs: UpdateInputs, rows: Tensor,
                              record: TokenRecord | None = None) -> MinibatchResult:
