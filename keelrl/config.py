@@ -124,7 +124,13 @@ class EnvConfig:
     with its own limit refuses another value, naming both. configs/one_turn.yaml is one edit with
     the file shown, then grading."""
     show_tools: bool = False
-    """Describe the tools in every prompt (long); the warm start teaches the format either way."""
+    """Describe the tools in every prompt (long): through the chat template's tools section where it
+    has one and the format is native, else as a system message; the warm start teaches the format
+    either way."""
+    tool_format: str = "call"
+    """How actions write tool calls: a registered tool-call format (keelrl.envs.formats), e.g. call
+    (keelrl's <call>NAME ARGS</call>) or hermes (<tool_call>{"name": ..., "arguments": ...}</tool_call>,
+    as Qwen and Hermes models write). The sampler stops at the format's stop strings."""
     show_file: bool = True
     """Coding: the first observation shows the file to fix (as `read` would), so the first action
     can already be the fix; with max_turns=1 an episode is one edit, then grading."""

@@ -18,6 +18,7 @@ import pytest
 
 from keelrl.envs.base import CheckResult, EnvCheckError, Grade, check_env, run_episode
 from keelrl.envs.coding import CODING_TOOLS, CodingEnv, count_occurrences, split_lines
+from keelrl.envs.formats import PromptTools, prompt_tools
 from keelrl.envs.guess import GuessEnv, GuessTask
 from keelrl.envs.tools import ActionError, describe_tools, parse_action
 from task_fixtures import BUGGY, CONSTANT_ZERO, FIXED, WRONG, binary_search_guess, retry_task
@@ -104,7 +105,9 @@ def test_parser_length_limit_is_the_callers():
 def test_the_lectures_trajectory_observation_by_observation():
     env, task = CodingEnv(), retry_task()
     prompt = env.reset(task)
-    assert task.prompt in prompt and "retry_count in retry.py" in prompt and TOOL_LIST in prompt
+    assert task.prompt in prompt and "retry_count in retry.py" in prompt
+    # show_tools (on by default here): the rollout puts the tool list in the prompt, not the observation
+    assert TOOL_LIST not in prompt and prompt_tools(env) == PromptTools(schemas=None, description=TOOL_LIST)
 
     observation, done, info = env.step("First I read the code.\n<call>read</call>")
     assert observation == 'retry.py\n1| def retry_count(config):\n2|     return config.get("retries") or 3'

@@ -2,7 +2,8 @@
 
 Each episode gets its own working directory holding the task's files in a git repository
 whose only commit is the buggy base (no history contains the fix). The agent acts through
-tools (see `keelrl.envs.tools` for the call format):
+tools, written in the format `tool_format` names (keelrl.envs.formats: call, hermes, json; the
+call format's `<call>NAME ARGS\nBODY</call>` by default):
 
     read [PATH]                 the file with line numbers (default: the file to fix)
     replace LINE [PATH] + body  replace line LINE with the body's lines (empty body deletes it)
@@ -10,6 +11,8 @@ tools (see `keelrl.envs.tools` for the call format):
     test                        run the visible tests in the sandbox: pass/fail per case with the failing value
     submit                      end the episode
 
+With `show_tools=True` the rollout shows the tools in the first prompt, through the chat template
+(`keelrl.envs.formats.prompt_tools`); the first observation itself never lists them.
 With `show_file=True` the first observation already holds the file to fix, as `read` shows
 it, so a one-turn episode (`max_turns=1`: one edit, then grading) is a complete attempt.
 
@@ -47,24 +50,33 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from keelrl.envs.base import Grade
+from keelrl.envs.formats import format_of
 from keelrl.envs.shaping import shaping_reward
 from keelrl.envs.tasks import Task
-from keelrl.envs.tools import ActionError, ToolCall, ToolSpec, describe_tools, parse_action
+from keelrl.envs.tools import ActionError, ToolCall, ToolSpec
 from keelrl.sandbox import Sandbox
 from keelrl.envs.verifiers import DEFAULT_LIMITS, Verifier, make_verifier, run_visible_tests
 
 EDIT_SEPARATOR = ">>>"
 """The line that separates OLD from NEW in an edit body."""
 
+_PATH = {"path": "the file (default: the file to fix)"}
 CODING_TOOLS = {
-    "read": ToolSpec("read", "<call>read [PATH]</call>", "show a file with line numbers", 0, 1),
+    "read": ToolSpec("read", "<call>read [PATH]</call>", "show a file with line numbers", 0, 1,
+                     params=("path",), param_descriptions=_PATH),
     "replace": ToolSpec("replace", "<call>replace LINE [PATH]\\nNEW LINES</call>",
-                        "replace one line with the lines after the first (none: delete it)", 1, 2, body="optional"),
+                        "replace one line with the lines after the first (none: delete it)", 1, 2, body="optional",
+                        params=("line", "path"), body_param="code", param_types={"line": "integer"},
+                        param_descriptions={"line": "the number of the line to replace, as read shows it", **_PATH,
+                                            "code": "the new lines (empty: delete the line)"}),
     "edit": ToolSpec("edit", "<call>edit [PATH]\\nOLD\\n>>>\\nNEW</call>",
-                     "replace the one occurrence of OLD with NEW", 0, 1, body="required"),
+                     "replace the one occurrence of OLD with NEW", 0, 1, body="required",
+                     params=("path",), body_param="change",
+                     param_descriptions={**_PATH, "change": f"OLD, then a line holding only {EDIT_SEPARATOR}, then NEW"}),
     "test": ToolSpec("test", "<call>test</call>", "run the visible tests"),
     "submit": ToolSpec("submit", "<call>submit</call>", "finish; hidden checks grade the code"),
 }
+"""The coding tools (the usage lines are the call format's; keelrl.envs.formats writes the others)."""
 
 
 PATCH_TOOLS = ("replace", "edit")
@@ -97,11 +109,13 @@ class CodingEnv:
 
     read_only_tools = frozenset({"read", "test", "submit"})
     """Tools that cannot change the code (process labels skip them: `EpisodeLimits.label_steps`)."""
+    tools = CODING_TOOLS
+    """Its tools, for the rollout's prompt (`keelrl.envs.formats.prompt_tools`)."""
 
     def __init__(self, verifier: str | Verifier = "strong", *, sandbox: Sandbox | None = None,
                  max_turns: int = 12, max_action_chars: int = 4000, use_git: bool = True,
                  show_tools: bool = True, show_file: bool = False, shaping: float = 0.0,
-                 malformed_cost: float = 0.0) -> None:
+                 malformed_cost: float = 0.0, tool_format: str = "call") -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         for name, value in (("shaping", shaping), ("malformed_cost", malformed_cost)):
@@ -113,7 +127,11 @@ class CodingEnv:
         self.max_turns = max_turns
         self.max_action_chars = max_action_chars
         self.show_tools = show_tools
+        """The rollout shows the tools in the first prompt (`keelrl.envs.formats.prompt_tools`)."""
         self.show_file = show_file
+        self.tool_format = tool_format
+        """The tool-call format actions are parsed in (keelrl.envs.formats)."""
+        self.format = format_of(tool_format)
         self.use_git = use_git and shutil.which("git") is not None
         self.task: Task | None = None
         self.workdir: Path | None = None
@@ -146,10 +164,9 @@ class CodingEnv:
         if self.shaping > 0:
             self._potential = self.shaping * _base_visible_share(task, self.sandbox)
         files = ", ".join(sorted(task.files))
-        tools = f"\n{describe_tools(CODING_TOOLS)}" if self.show_tools else ""
         shown = f"\n{self._read(self.workdir / task.entry_file)}" if self.show_file else ""
         return (f"{task.prompt}\nThe function to fix is {task.entry_function} in {task.entry_file}. "
-                f"Files: {files}.{tools}{shown}")
+                f"Files: {files}.{shown}")
 
     def step(self, action_text: str) -> tuple[str, bool, dict]:
         if self.task is None or self.workdir is None:
@@ -160,7 +177,7 @@ class CodingEnv:
         self._info = {}
         reward = 0.0
         try:
-            call = parse_action(action_text, CODING_TOOLS, self.max_action_chars)
+            call = self.format.parse(action_text, CODING_TOOLS, self.max_action_chars)
             observation, done = self._dispatch(call)
             info: dict[str, Any] = {"tool": call.name, **self._info}
         except ActionError as error:
@@ -260,7 +277,7 @@ class CodingEnv:
             line_number = int(call.args[0])
         except ValueError:
             raise ActionError(f"error: LINE must be a line number, got {call.args[0]!r}; "
-                              f"usage: {CODING_TOOLS['replace'].usage}") from None
+                              f"usage: {self.format.usage(CODING_TOOLS['replace'])}") from None
         path = self._path(call.args, 1)
         lines = split_lines(path.read_text(encoding="utf-8"))
         if not 1 <= line_number <= len(lines):
@@ -274,7 +291,7 @@ class CodingEnv:
         body_lines = call.body.split("\n")
         if EDIT_SEPARATOR not in body_lines:
             raise ActionError(f"error: separate OLD and NEW with a line holding only {EDIT_SEPARATOR}; "
-                              f"usage: {CODING_TOOLS['edit'].usage}")
+                              f"usage: {self.format.usage(CODING_TOOLS['edit'])}")
         split = body_lines.index(EDIT_SEPARATOR)
         old, new = "\n".join(body_lines[:split]), "\n".join(body_lines[split + 1:])
         if not old:
@@ -358,8 +375,11 @@ class CodingEnvFactory:
 
     def __init__(self, verifier: str, *, partial_credit: bool = True, max_turns: int = 6,
                  show_tools: bool = False, show_file: bool = False, key_weight: float = 1.0,
-                 hidden_paths: Sequence[str] = (), shaping: float = 0.0, malformed_cost: float = 0.0) -> None:
+                 hidden_paths: Sequence[str] = (), shaping: float = 0.0, malformed_cost: float = 0.0,
+                 tool_format: str = "call") -> None:
+        format_of(tool_format)  # an unknown name fails here, listing the valid ones
         self.verifier, self.partial_credit, self.key_weight = verifier, partial_credit, key_weight
+        self.tool_format = tool_format
         self.shaping, self.malformed_cost = shaping, malformed_cost
         self.hidden_paths = list(hidden_paths)
         self.max_turns, self.show_tools, self.show_file = max_turns, show_tools, show_file
@@ -375,4 +395,5 @@ class CodingEnvFactory:
                                                   key_weight=self.key_weight))
         sandbox, verifier = self._built
         return CodingEnv(verifier, sandbox=sandbox, max_turns=self.max_turns, show_tools=self.show_tools,
-                         show_file=self.show_file, shaping=self.shaping, malformed_cost=self.malformed_cost)
+                         show_file=self.show_file, shaping=self.shaping, malformed_cost=self.malformed_cost,
+                         tool_format=self.tool_format)

@@ -10,6 +10,10 @@ answer; the agent answers with one tool call, and the answer ends the episode:
     1 2 3
     4 5 6</call>
 
+That is the call format; in another `tool_format` (keelrl.envs.formats) the answer is the `answer`
+tool's `answer` argument, e.g. <tool_call>{"name": "answer", "arguments": {"answer": "42"}}</tool_call>
+in hermes, and the first observation shows the call in that format.
+
 The answer is the call's text after the word `answer`, first line and body together, exactly as
 written (runs of spaces inside it are kept) but for surrounding white space, which is stripped:
 reasoning-gym's default scorer gives " 42 " half marks, a formatting accident no model should be
@@ -50,13 +54,17 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from keelrl.envs.base import CheckResult, Grade, VerifierError
-from keelrl.envs.tools import OPEN, STOP, ActionError, ToolSpec, describe_tools, parse_action
+from keelrl.envs.formats import CallFormat, format_of
+from keelrl.envs.tools import OPEN, STOP, ActionError, ToolCall, ToolSpec
 from keelrl.errors import ConfigError
 
 ANSWER_TOOL = "answer"
 RG_TOOLS = {ANSWER_TOOL: ToolSpec(ANSWER_TOOL, "<call>answer ANSWER</call>",
                                   "give your final answer (a multi-line one continues on the next lines)",
-                                  0, 1 << 30, body="optional")}
+                                  0, 1 << 30, body="optional", body_param="answer",
+                                  param_descriptions={"answer": "your final answer"})}
+"""The answer tool. In the call format the answer is the words after its name (and the body); the
+JSON formats pass it as the argument `answer` (the tool names no positional parameters)."""
 RG_VERIFIERS = ("strong",)
 """The one verifier: the dataset's own score_answer (training and held-out alike)."""
 INSTALL_HINT = "pip install 'keelrl[reasoning-gym]'"
@@ -135,20 +143,28 @@ def rg_tasks(dataset: str, size: int, seed: int) -> list[ReasoningGymTask]:
     return tasks
 
 
-def answer_text(action_text: str, max_chars: int = 16_000) -> str:
+def answer_text(action_text: str, max_chars: int = 16_000, tool_format: str = "call") -> str:
     """The answer an action gives (see the module docstring), or ActionError with the observation."""
-    parse_action(action_text, RG_TOOLS, max_chars=max_chars)  # exactly one well-formed answer call
-    start = action_text.find(OPEN) + len(OPEN)
-    inner = action_text[start:action_text.find(STOP, start)].lstrip()
-    answer = inner[len(ANSWER_TOOL):].strip()
+    fmt = format_of(tool_format)
+    call = fmt.parse(action_text, RG_TOOLS, max_chars=max_chars)  # exactly one well-formed answer call
+    if isinstance(fmt, CallFormat):  # the text as written: its words are not split into arguments
+        start = action_text.find(OPEN) + len(OPEN)
+        inner = action_text[start:action_text.find(STOP, start)].lstrip()
+        answer = inner[len(ANSWER_TOOL):].strip()
+    else:
+        answer = call.body.strip()
     if not answer:
-        raise ActionError(f"error: the answer is empty; usage: {RG_TOOLS[ANSWER_TOOL].usage}")
+        raise ActionError(f"error: the answer is empty; usage: {fmt.usage(RG_TOOLS[ANSWER_TOOL])}")
     return answer
 
 
-def answer_action(answer: str) -> str:
-    """The tool call that gives `answer`."""
-    return f"<call>{ANSWER_TOOL} {answer}</call>"
+def answer_action(answer: str, tool_format: str = "call") -> str:
+    """The tool call that gives `answer`, in `tool_format` (the call format: `<call>answer ANSWER</call>`,
+    the answer right after the tool's name, as written)."""
+    fmt = format_of(tool_format)
+    if isinstance(fmt, CallFormat):
+        return f"{OPEN}{ANSWER_TOOL} {answer}{STOP}"
+    return fmt.render(ToolCall(ANSWER_TOOL, (), answer), RG_TOOLS)
 
 
 def score_grade(score: float, verifier: str, detail: str = "") -> Grade:
@@ -165,13 +181,18 @@ def score_grade(score: float, verifier: str, detail: str = "") -> Grade:
 class ReasoningGymEnv:
     """Answer one reasoning-gym question, scored by the dataset (see the module docstring)."""
 
+    tools = RG_TOOLS
+
     def __init__(self, dataset: Any, *, max_turns: int = 1, show_tools: bool = False,
-                 max_action_chars: int = 16_000) -> None:
+                 max_action_chars: int = 16_000, tool_format: str = "call") -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        format_of(tool_format)  # an unknown name fails here, listing the valid ones
         self.dataset = dataset
         self.max_turns = max_turns
         self.show_tools = show_tools
+        """The rollout shows the tool in the first prompt (`keelrl.envs.formats.prompt_tools`)."""
+        self.tool_format = tool_format
         self.max_action_chars = max_action_chars
         self.task: ReasoningGymTask | None = None
         self.answer: str | None = None
@@ -180,8 +201,7 @@ class ReasoningGymEnv:
 
     def reset(self, task: ReasoningGymTask) -> str:
         self.task, self.answer, self.turns, self.done = task, None, 0, False
-        tools = f"\n{describe_tools(RG_TOOLS)}" if self.show_tools else ""
-        return f"{task.question}\nGive your final answer as {answer_action('ANSWER')}.{tools}"
+        return f"{task.question}\nGive your final answer as {answer_action('ANSWER', self.tool_format)}."
 
     def step(self, action_text: str) -> tuple[str, bool, dict]:
         if self.task is None:
@@ -190,7 +210,7 @@ class ReasoningGymEnv:
             raise RuntimeError("the episode is over; call reset(task) to start another")
         self.turns += 1  # a malformed action costs a turn too
         try:
-            self.answer = answer_text(action_text, self.max_action_chars)
+            self.answer = answer_text(action_text, self.max_action_chars, self.tool_format)
         except ActionError as error:
             observation, info = str(error), {"error": str(error).splitlines()[0]}
         else:
@@ -236,9 +256,11 @@ class ReasoningGymEnv:
 class ReasoningGymEnvFactory:
     """A picklable `make_env` for ReasoningGymEnv: each process builds the dataset once, on first use."""
 
-    def __init__(self, dataset: str, size: int, seed: int, *, max_turns: int = 1, show_tools: bool = False) -> None:
+    def __init__(self, dataset: str, size: int, seed: int, *, max_turns: int = 1, show_tools: bool = False,
+                 tool_format: str = "call") -> None:
+        format_of(tool_format)  # an unknown name fails here, listing the valid ones
         self.dataset, self.size, self.seed = dataset, size, seed
-        self.max_turns, self.show_tools = max_turns, show_tools
+        self.max_turns, self.show_tools, self.tool_format = max_turns, show_tools, tool_format
         self._data: Any = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -247,16 +269,21 @@ class ReasoningGymEnvFactory:
     def __call__(self) -> ReasoningGymEnv:
         if self._data is None:
             self._data = create_dataset(self.dataset, self.size, self.seed)
-        return ReasoningGymEnv(self._data, max_turns=self.max_turns, show_tools=self.show_tools)
+        return ReasoningGymEnv(self._data, max_turns=self.max_turns, show_tools=self.show_tools,
+                               tool_format=self.tool_format)
 
 
 class ReferenceAnswerTeacher:
-    """The warm start's teacher: answers with the entry's reference answer, first turn."""
+    """The warm start's teacher: answers with the entry's reference answer, first turn, in `tool_format`."""
+
+    def __init__(self, tool_format: str = "call") -> None:
+        format_of(tool_format)  # an unknown name fails here, listing the valid ones
+        self.tool_format = tool_format
 
     def policy(self, task: ReasoningGymTask) -> Callable[[str, Sequence[Any]], str]:
         """A `Policy` callable for one episode of `task`; ValueError when the entry has no reference."""
         if task.answer is None:
             raise ValueError(f"reasoning-gym dataset {task.dataset!r} gives no reference answer ({task.id}): "
                              f"its answers are checked, not compared; set warm_start.demos=0")
-        action = answer_action(task.answer)
+        action = answer_action(task.answer, self.tool_format)
         return lambda prompt, turns: action

@@ -23,6 +23,9 @@ warm start's `own_mistakes` round, in the manner of DAgger: the expert labels th
 learner reaches):
 
     student's edit (fails a visible test) -> test -> real fix from that file state -> test -> submit
+
+The teacher builds `ToolCall`s and writes them in its `tool_format` (keelrl.envs.formats), which
+must be the environment's; `edit_call` and `move_calls` give the calls themselves.
 """
 
 from __future__ import annotations
@@ -33,11 +36,19 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from keelrl.envs.base import Turn
-from keelrl.envs.coding import CodingEnv, count_occurrences, split_lines, visible_counts
+from keelrl.envs.coding import CODING_TOOLS, CodingEnv, count_occurrences, split_lines, visible_counts
+from keelrl.envs.formats import format_of
 from keelrl.envs.tasks import Task
+from keelrl.envs.tools import ToolCall
 
 
-def edit_action(path: str, current: str, target: str, *, default_path: str) -> str | None:
+def edit_action(path: str, current: str, target: str, *, default_path: str, tool_format: str = "call") -> str | None:
+    """`edit_call`'s call written in `tool_format` (None if `current` equals `target`)."""
+    call = edit_call(path, current, target, default_path=default_path)
+    return None if call is None else format_of(tool_format).render(call, CODING_TOOLS)
+
+
+def edit_call(path: str, current: str, target: str, *, default_path: str) -> ToolCall | None:
     """One tool call turning `current` into `target` (None if they are equal).
 
     Lines are compared as `CodingEnv` splits them. A single changed line becomes `replace`,
@@ -54,10 +65,10 @@ def edit_action(path: str, current: str, target: str, *, default_path: str) -> s
                if op[0] != "equal"]
     first_old, last_old = opcodes[0][1], opcodes[-1][2]
     first_new, last_new = opcodes[0][3], opcodes[-1][4]
-    path_arg = "" if path == default_path else f" {path}"
+    path_args = () if path == default_path else (path,)
     changed = new_lines[first_new:last_new]
     if last_old - first_old == 1 and changed != [""]:
-        return f"<call>replace {first_old + 1}{path_arg}\n" + "\n".join(changed) + "\n</call>"
+        return ToolCall("replace", (str(first_old + 1), *path_args), "\n".join(changed))
     start, end = first_old, last_old
     if start == end or not changed:  # anchor on a neighbouring line
         start, end = (start - 1, end) if start > 0 else (start, min(end + 1, len(old_lines)))
@@ -65,24 +76,26 @@ def edit_action(path: str, current: str, target: str, *, default_path: str) -> s
         start, end = max(0, start - 1), min(len(old_lines), end + 1)
     old_block = "\n".join(old_lines[start:end])
     new_block = "\n".join(old_lines[start:first_old] + changed + old_lines[last_old:end])
-    return f"<call>edit{path_arg}\n{old_block}\n>>>\n{new_block}\n</call>"
+    return ToolCall("edit", path_args, f"{old_block}\n>>>\n{new_block}")
 
 
-def moves(files: dict[str, str], target_files: dict[str, str], default_path: str) -> list[str]:
-    """The edits (`edit_action`, one per changed file, in path order) taking `files` to
+def move_calls(files: dict[str, str], target_files: dict[str, str], default_path: str) -> list[ToolCall]:
+    """The edits (`edit_call`, one per changed file, in path order) taking `files` to
     `target_files`; `files` is updated in place."""
-    actions = []
+    calls = []
     for path in sorted(target_files):
-        action = edit_action(path, files.get(path, ""), target_files[path], default_path=default_path)
-        if action is not None:
-            actions.append(action)
+        call = edit_call(path, files.get(path, ""), target_files[path], default_path=default_path)
+        if call is not None:
+            calls.append(call)
             files[path] = target_files[path]
-    return actions
+    return calls
 
 
-def _tool(action: str) -> str:
-    """The tool an `edit_action` call names (`replace`, `edit`)."""
-    return action.removeprefix("<call>").split(None, 1)[0]
+def moves(files: dict[str, str], target_files: dict[str, str], default_path: str,
+          tool_format: str = "call") -> list[str]:
+    """`move_calls`' calls written in `tool_format`; `files` is updated in place."""
+    fmt = format_of(tool_format)
+    return [fmt.render(call, CODING_TOOLS) for call in move_calls(files, target_files, default_path)]
 
 
 @dataclass
@@ -105,7 +118,7 @@ class ScriptedTeacher:
     test, submit. The warm start's own-mistakes round needs env.max_turns at least this."""
 
     def __init__(self, success_rate: float = 0.8, mistake_rate: float = 0.5, seed: int = 0,
-                 read_first: bool = True) -> None:
+                 read_first: bool = True, tool_format: str = "call") -> None:
         for name, value in (("success_rate", success_rate), ("mistake_rate", mistake_rate)):
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {value}")
@@ -114,6 +127,12 @@ class ScriptedTeacher:
         self.rng = random.Random(seed)
         self.read_first = read_first
         """Open with `read` (False when the prompt already shows the file: `show_file`)."""
+        self.tool_format = tool_format
+        """The format its actions are written in (the environment's `tool_format`)."""
+        self.format = format_of(tool_format)
+
+    def _write(self, *calls: ToolCall) -> list[str]:
+        return [self.format.render(call, CODING_TOOLS) for call in calls]
 
     def plan(self, task: Task) -> TeacherPlan:
         """Decide success and mistake for one episode and script its actions."""
@@ -121,20 +140,21 @@ class ScriptedTeacher:
         has_mistake = bool(task.wrong_fix)
         mistake = has_mistake and (not succeed or self.rng.random() < self.mistake_rate)
         files = dict(task.files)
-        actions = ["<call>read</call>"] if self.read_first else []
+        read, test, submit = ToolCall("read", (), ""), ToolCall("test", (), ""), ToolCall("submit", (), "")
+        actions = self._write(read) if self.read_first else []
         mistake_turns: frozenset[int] = frozenset()
 
         if mistake:
             first = len(actions)
-            actions += moves(files, task.wrong_fix, task.entry_file)
+            actions += self._write(*move_calls(files, task.wrong_fix, task.entry_file))
             mistake_turns = frozenset(range(first, len(actions)))
-            actions.append("<call>test</call>")
+            actions += self._write(test)
         if succeed:
-            actions += moves(files, task.reference_fix, task.entry_file)
-            actions.append("<call>test</call>")
+            actions += self._write(*move_calls(files, task.reference_fix, task.entry_file))
+            actions += self._write(test)
         elif not mistake:
-            actions.append("<call>test</call>")
-        actions.append("<call>submit</call>")
+            actions += self._write(test)
+        actions += self._write(submit)
         return TeacherPlan(succeed=succeed, mistake=mistake, actions=actions, mistake_turns=mistake_turns)
 
     def recovery(self, task: Task, first_action: str, env: CodingEnv) -> "ScriptedPolicy | None":
@@ -155,22 +175,26 @@ class ScriptedTeacher:
                          else visible_counts(task, files, env.sandbox))
         if total and passed == total:
             return None
-        fix = moves(files, task.reference_fix, task.entry_file)
-        if [_tool(a) for a in fix] != [_tool(a) for a in moves(dict(task.files), task.reference_fix, task.entry_file)]:
+        fix = move_calls(files, task.reference_fix, task.entry_file)
+        clean = move_calls(dict(task.files), task.reference_fix, task.entry_file)
+        if [call.name for call in fix] != [call.name for call in clean]:
             return None  # a fix of another form than the clean path's (an `edit` block for a `replace`)
-        actions = [first_action, "<call>test</call>", *fix, "<call>test</call>", "<call>submit</call>"]
-        return ScriptedPolicy(TeacherPlan(succeed=True, mistake=True, actions=actions, mistake_turns=frozenset({0})))
+        test, submit = ToolCall("test", (), ""), ToolCall("submit", (), "")
+        actions = [first_action, *self._write(test, *fix, test, submit)]
+        return ScriptedPolicy(TeacherPlan(succeed=True, mistake=True, actions=actions, mistake_turns=frozenset({0})),
+                              finish=self._write(submit)[0])
 
     def policy(self, task: Task) -> "ScriptedPolicy":
         """A `Policy` callable for one episode of `task`."""
-        return ScriptedPolicy(self.plan(task))
+        return ScriptedPolicy(self.plan(task), finish=self._write(ToolCall("submit", (), ""))[0])
 
 
 class ScriptedPolicy:
-    """Replays a TeacherPlan; after the script ends it keeps submitting."""
+    """Replays a TeacherPlan; after the script ends it keeps acting `finish` (submitting)."""
 
-    def __init__(self, plan: TeacherPlan) -> None:
+    def __init__(self, plan: TeacherPlan, finish: str = "<call>submit</call>") -> None:
         self.plan = plan
+        self.finish = finish
 
     @property
     def mistake_turns(self) -> frozenset[int]:
@@ -179,4 +203,4 @@ class ScriptedPolicy:
 
     def __call__(self, prompt: str, turns: Sequence[Turn]) -> str:
         index = len(turns)
-        return self.plan.actions[index] if index < len(self.plan.actions) else "<call>submit</call>"
+        return self.plan.actions[index] if index < len(self.plan.actions) else self.finish

@@ -12,7 +12,15 @@ and at evaluation:
 
 `ChatFormat.of(tokenizer)` finds those pieces by rendering a short conversation with marker
 strings in place of the contents and cutting the text at the markers, so any Jinja template
-works without knowing its syntax. An action that ended on the model's own end-of-turn token
+works without knowing its syntax. It also finds whether the template renders tools
+(`renders_tools`: apply_chat_template(tools=...) with a probe tool, whose name must appear).
+
+Tools in the prompt (`ChatFormat.prompt(tokenizer, text, tools=..., system=...)`): the tools'
+JSON schemas go through the template where it renders tools; elsewhere (SmolLM2's ChatML template
+has no tools section) the caller's `system` text, the tool-call format's description of the same
+tools, is a system message before the prompt, or the prompt's first paragraph where the template
+has no system role. This layer renders what it is given: which format the tools are described in
+is the environment's business (keelrl.envs.formats.prompt_tools). An action that ended on the model's own end-of-turn token
 already holds it: its observation then starts after that token rather than repeating it.
 
 What this does NOT guarantee: a template that renders a message differently depending on
@@ -28,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 _ACTION, _OBSERVATION = "\x00KEEL-ACTION\x00", "\x00KEEL-OBSERVATION\x00"
+_TOOL_PROBE = "keel_probe_tool"
 _CACHE: "weakref.WeakKeyDictionary[Any, ChatFormat]" = weakref.WeakKeyDictionary()
 
 
@@ -49,6 +58,8 @@ class ChatFormat:
     """Tokens that end an assistant turn when the model generates them (eos, end of turn)."""
     observation_role: str
     """The role observations are rendered as ('tool' where the template renders it, else 'user')."""
+    renders_tools: bool = False
+    """Whether apply_chat_template(tools=[schemas]) renders the tools (their names appear)."""
 
     @staticmethod
     def of(tokenizer: Any) -> "ChatFormat":
@@ -64,10 +75,30 @@ class ChatFormat:
             pass
         return found
 
-    def prompt(self, tokenizer: Any, text: str) -> list[int]:
-        """The task prompt as the first user message, ending with the assistant header."""
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                 add_generation_prompt=True)
+    def prompt(self, tokenizer: Any, text: str, *, tools: list[dict[str, Any]] | None = None,
+               system: str | None = None) -> list[int]:
+        """The task prompt as the first user message, ending with the assistant header.
+
+        `tools`: JSON schemas of tools (OpenAI-style function tools), rendered by the template where
+        it renders tools (`renders_tools`). `system`: the system message where they are not, or
+        where no tools are given (with tools, it is their description for templates without
+        tools); a template without a system role gets it as the prompt's first paragraph.
+        ValueError for tools the template cannot render and no `system` to show them in."""
+        user = {"role": "user", "content": text}
+        if tools and self.renders_tools:
+            rendered = tokenizer.apply_chat_template([user], tools=tools, tokenize=False, add_generation_prompt=True)
+            return _encode(tokenizer, rendered)
+        if tools and not system:
+            raise ValueError(f"the chat template of {getattr(tokenizer, 'name_or_path', tokenizer)!r} does not "
+                             f"render tools; pass their description as `system`")
+        if not system:
+            return _encode(tokenizer, _render(tokenizer, [user], True))
+        try:
+            rendered = _render(tokenizer, [{"role": "system", "content": system}, user], True)
+        except Exception:  # noqa: BLE001 - a template without a system role: the paragraph below
+            rendered = ""
+        if system not in rendered:
+            rendered = _render(tokenizer, [{"role": "user", "content": f"{system}\n\n{text}"}], True)
         return _encode(tokenizer, rendered)
 
     def observation(self, tokenizer: Any, text: str, *, action_end: int | None = None) -> list[int]:
@@ -113,11 +144,24 @@ def _derive(tokenizer: Any) -> ChatFormat:
         opening, closing = after_action.split(_OBSERVATION, 1)
         turn_end = _common_prefix(alone.split(_ACTION, 1)[1], opening)
         return ChatFormat(observation_open=opening, observation_close=closing, turn_end=turn_end,
-                          end_token_ids=_end_tokens(tokenizer, turn_end), observation_role=role)
+                          end_token_ids=_end_tokens(tokenizer, turn_end), observation_role=role,
+                          renders_tools=_renders_tools(tokenizer))
     why = f": {last_error!r}" if last_error else ""
     raise ChatTemplateError(
         f"the chat template of {getattr(tokenizer, 'name_or_path', tokenizer)!r} does not render an "
         f"assistant message followed by a tool or user message with their contents intact{why}")
+
+
+def _renders_tools(tokenizer: Any) -> bool:
+    """Whether the template renders a probe tool given as apply_chat_template(tools=[...])."""
+    probe = {"type": "function", "function": {"name": _TOOL_PROBE, "description": "a probe",
+                                              "parameters": {"type": "object", "properties": {}, "required": []}}}
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "P"}], tools=[probe], tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - a template that rejects tools does not render them
+        return False
+    return isinstance(text, str) and _TOOL_PROBE in text
 
 
 def _common_prefix(a: str, b: str) -> str:

@@ -766,7 +766,7 @@ def _byte_table(tokenizer: Any) -> list[bytes] | None:
             return None
         else:
             table.append(bytes(decoder[ch] for ch in piece))
-    probe = tokenizer("def retry_count(x):\n    return None  # </call> é ünï", add_special_tokens=False)["input_ids"]
+    probe = tokenizer("def retry_count(x):\n    return None  # <a href='x'>b</a> é ünï", add_special_tokens=False)["input_ids"]
     probe = list(probe) + [i for i in sorted(added)[:4]]
     if b"".join(table[i] for i in probe).decode("utf-8", "replace") != tokenizer.decode(probe, skip_special_tokens=False):
         return None

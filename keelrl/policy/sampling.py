@@ -2,9 +2,9 @@
 
 `sample` continues many contexts of different lengths at once (left-padded, positions taken
 from the attention mask so a padded row sees the same positions as an unpadded one), with
-temperature, top-p and stop strings (a tool call ends at "</call>"). For every sampled token
-it returns the log-probability under the distribution actually sampled from, i.e. after
-temperature and top-p: that is the behaviour policy mu of the importance ratio.
+temperature, top-p and stop strings (the run's tool-call format gives them: `env.tool_format`).
+For every sampled token it returns the log-probability under the distribution actually sampled
+from, i.e. after temperature and top-p: that is the behaviour policy mu of the importance ratio.
 
 Nothing is suppressed: the distribution sampled from is the model's whole distribution, the
 one the learner's log-probs come from, so ratios on fresh data are 1 even for a model whose
@@ -42,6 +42,8 @@ class SamplingConfig:
     top_p: float = 1.0
     max_new_tokens: int = 160
     stop: tuple[str, ...] = ("</call>",)
+    """Stop strings: a row ends after the token that completes one. The default is the call
+    format's; the trainer sets the run's format's (keelrl.envs.formats), which may be none."""
     min_new_tokens: int = 0
     """End tokens are held back (probability 0) until a row has this many: for benchmarks that
     need exact lengths. The behaviour log-probs are then those of the held-back distribution."""

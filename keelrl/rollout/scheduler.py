@@ -48,6 +48,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from keelrl.config import RolloutSettings
+from keelrl.envs.formats import prompt_tools
 from keelrl.policy.chat import ChatFormat
 from keelrl.rollout.trajectory import Trajectory
 
@@ -105,9 +106,21 @@ class EpisodeLimits:
                    interruptible=rollout.interruptible, label_steps=label_steps)
 
 
-def prompt_tokens(tokenizer: Any, first_observation: str) -> list[int]:
-    """The first observation as the first user message of the tokenizer's chat template."""
-    return ChatFormat.of(tokenizer).prompt(tokenizer, first_observation)
+def prompt_tokens(tokenizer: Any, first_observation: str, *, tools: list[dict[str, Any]] | None = None,
+                  system: str | None = None) -> list[int]:
+    """The first observation as the first user message of the tokenizer's chat template, with
+    `tools` (schemas) and `system` as `ChatFormat.prompt` takes them."""
+    return ChatFormat.of(tokenizer).prompt(tokenizer, first_observation, tools=tools, system=system)
+
+
+def env_prompt_tokens(tokenizer: Any, env: Any, first_observation: str) -> list[int]:
+    """The first prompt of an episode of `env`: its first observation, with its tools where the
+    environment shows them (`keelrl.envs.formats.prompt_tools`: env.show_tools, env.tools,
+    env.tool_format). An environment without those attributes gets the observation alone."""
+    shown = prompt_tools(env)
+    if shown is None:
+        return prompt_tokens(tokenizer, first_observation)
+    return prompt_tokens(tokenizer, first_observation, tools=shown.schemas, system=shown.description)
 
 
 def observation_tokens(tokenizer: Any, observation: str, previous_action: Sequence[int] = ()) -> list[int]:
@@ -342,7 +355,7 @@ class EpisodeScheduler:
                 if self.cfg.label_steps:
                     value, base = value
                     episode.passes.append(base)
-                trajectory.extend(prompt_tokens(self.tokenizer, value), action=False, turn=0)
+                trajectory.extend(env_prompt_tokens(self.tokenizer, episode.env, value), action=False, turn=0)
                 trajectory.prompt_length, trajectory.prompt = len(trajectory.token_ids), value
                 if trajectory.prompt_length + self.cfg.max_new_tokens > self.cfg.max_context_tokens:
                     trajectory.termination = "context_limit"  # not even one action fits: graded as is

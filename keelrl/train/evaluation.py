@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from keelrl.envs.formats import format_of
 from keelrl.config import KeelConfig
 from keelrl.policy.precision import resolve_dtype
 from keelrl.policy.prefix import chunked_token_logprobs
@@ -181,7 +182,8 @@ class Evaluator:
         tasks = list(tasks)
         sampling = SamplingConfig(temperature=self.cfg.eval.temperature, top_p=1.0,
                                   max_new_tokens=self.cfg.rollout.max_new_tokens, keep_kv=self.cfg.rollout.keep_kv,
-                                  decoder=self.cfg.rollout.decoder, kv_budget_mb=self.cfg.rollout.kv_budget_mb)
+                                  decoder=self.cfg.rollout.decoder, kv_budget_mb=self.cfg.rollout.kv_budget_mb,
+                                  stop=format_of(self.cfg.env.tool_format).stop)  # as the rollouts stop
         self.model.eval()
         trajectories = run_episodes(self.make_env, tasks, self.tokenizer,
                                     model_actor(self.eval_model(), self.tokenizer, sampling),

@@ -42,6 +42,7 @@ import torch
 from keelrl.alarms import AlarmMonitor
 from keelrl.components import check
 from keelrl.config import KeelConfig, dump_config, to_dict, with_paths
+from keelrl.envs.formats import format_of
 from keelrl.envs.registry import EnvSpec, resolve_env, settle_env
 from keelrl.metrics import MetricsLogger
 from keelrl.policy.critic import build_critic
@@ -212,6 +213,7 @@ class Trainer:
     def _limits(self) -> EpisodeLimits:
         """The scheduler's episode limits: the rollout section's, env.max_turns, and process labels
         when the run has a process reward model."""
+        assert self.cfg.env.max_turns is not None  # settled in __init__
         return EpisodeLimits.of(self.cfg.rollout, self.cfg.env.max_turns, label_steps=self.cfg.prm.enabled)
 
     def requests_for(self, step: int) -> list[GroupRequest]:
@@ -228,7 +230,7 @@ class Trainer:
         r = self.cfg.rollout
         return SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                               keep_kv=r.keep_kv, decoder=r.decoder, dtype=getattr(torch, self.precision["rollout"]["dtype"]),
-                              kv_budget_mb=r.kv_budget_mb)
+                              kv_budget_mb=r.kv_budget_mb, stop=format_of(self.cfg.env.tool_format).stop)
 
     def make_engine(self, last_step: int | None = None) -> RolloutEngine:
         """The configured rollout engine over this trainer's policy and training environment; it
