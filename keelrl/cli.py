@@ -230,10 +230,14 @@ def _cmd_lab(args: argparse.Namespace) -> int:
 
 
 _ANSWER_AUDIT_FLAGS = ("dataset", "rg_size", "rg_seed")
-"""`keel audit` flags of --env reasoning_gym (the env.* config fields of the same names)."""
+"""`keel audit` flags for the env.* config fields of the same names (reasoning_gym's)."""
+_CODING_AUDIT_FLAGS = (("--tasks", "tasks", "bundled"), ("--workers", "workers", None), ("--verifier", "verifier", "strong"))
+"""`keel audit` flags of the coding audit alone: (flag, attribute, default)."""
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
+    """`keel audit`: the coding audit (the default), reasoning-gym's answer audit (--env reasoning_gym),
+    or the generic probes of keelrl.audit.generic for any other environment (or with --generic)."""
     from keelrl.audit import AuditError, planted_secret, print_report, run_audit
     from keelrl.envs.base import VerifierError
     from keelrl.envs.tasks import TaskError
@@ -243,11 +247,17 @@ def _cmd_audit(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             print(f"keel: --{name} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
             return 2
+    if args.generic or args.env not in ("coding", "reasoning_gym"):
+        return _audit_generic(args)
     if args.env == "reasoning_gym":
         return _audit_answers(args)
     given = [f"--{name.replace('_', '-')}" for name in _ANSWER_AUDIT_FLAGS if getattr(args, name) is not None]
     if given:
         print(f"keel: {', '.join(given)} go with --env reasoning_gym", file=sys.stderr)
+        return 2
+    if args.overrides:
+        print(f"keel: the coding audit takes --tasks and --verifier, not overrides ({' '.join(args.overrides)}); "
+              f"add --generic for the generic probes on a configured coding environment", file=sys.stderr)
         return 2
     try:
         tasks = _load_task_source(args.tasks, "all", 0)
@@ -265,6 +275,13 @@ def _cmd_audit(args: argparse.Namespace) -> int:
                       print_report, (AuditError, VerifierError, SandboxError), planted_secret())
 
 
+def _audit_overrides(args: argparse.Namespace) -> list[str]:
+    """env.name, the env.* fields given as flags (--dataset...), then the dotted overrides."""
+    return [f"env.name={args.env}",
+            *(f"env.{name}={getattr(args, name)}" for name in _ANSWER_AUDIT_FLAGS if getattr(args, name) is not None),
+            *args.overrides]
+
+
 def _audit_answers(args: argparse.Namespace) -> int:
     """`keel audit --env reasoning_gym`: the answer probes of keelrl.audit.reasoning_gym."""
     from keelrl.audit.reasoning_gym import print_answer_report, run_answer_audit
@@ -273,15 +290,11 @@ def _audit_answers(args: argparse.Namespace) -> int:
     from keelrl.envs.base import VerifierError
     from keelrl.envs.reasoning_gym import ReasoningGymEnvFactory, rg_tasks
 
-    for flag, value, default in (("--tasks", args.tasks, "bundled"), ("--workers", args.workers, None),
-                                 ("--verifier", args.verifier, "strong")):
-        if value != default:
+    for flag, name, default in _CODING_AUDIT_FLAGS:
+        if getattr(args, name) != default:
             print(f"keel: {flag} is for --env coding (reasoning_gym is scored by the dataset alone)", file=sys.stderr)
             return 2
-    overrides = ["env.name=reasoning_gym", f"env.dataset={args.dataset or ''}",
-                 *(f"env.{name}={getattr(args, name)}" for name in ("rg_size", "rg_seed")
-                   if getattr(args, name) is not None)]
-    cfg = load_config(None, overrides)
+    cfg = load_config(None, _audit_overrides(args))
     check(cfg)  # checks the dataset (and that reasoning-gym is installed)
     env = cfg.env
     tasks = rg_tasks(env.dataset, env.rg_size, env.rg_seed)
@@ -290,6 +303,32 @@ def _audit_answers(args: argparse.Namespace) -> int:
     return _run_audit(args, f"auditing {len(tasks)} tasks of {env.dataset}", len(tasks),
                       lambda progress: run_answer_audit(tasks, make_env, progress=progress),
                       print_answer_report, (VerifierError,))
+
+
+def _audit_generic(args: argparse.Namespace) -> int:
+    """`keel audit --env NAME [overrides]`: keelrl.audit.generic's probes on the environment NAME names
+    (registered, an entry point or MODULE:ATTRIBUTE), configured as `keel train` would configure it."""
+    from keelrl.audit import AuditError
+    from keelrl.audit.generic import audit_tasks, print_generic_report, run_generic_audit
+    from keelrl.components import check
+    from keelrl.config import load_config
+    from keelrl.envs.base import VerifierError
+    from keelrl.envs.registry import settle_env
+
+    for flag, name, default in _CODING_AUDIT_FLAGS:
+        if getattr(args, name) != default:
+            hint = "; set env.verifier=NAME to audit a training verifier" if name == "verifier" else ""
+            print(f"keel: {flag} is for the coding audit (--env coding without --generic){hint}", file=sys.stderr)
+            return 2
+    # The audit trains nothing: an environment without a scripted teacher needs no warm_start.demos=0.
+    cfg = load_config(None, ["warm_start.demos=0", *_audit_overrides(args)])
+    spec = check(cfg)  # an unknown env.name fails here in one line, listing the valid names
+    cfg = settle_env(cfg, spec)
+    tasks = audit_tasks(cfg, spec)
+    tasks = tasks[:args.limit] if args.limit is not None else tasks
+    return _run_audit(args, f"auditing {len(tasks)} tasks of {spec.label}", len(tasks),
+                      lambda progress: run_generic_audit(cfg, spec, tasks, progress=progress),
+                      print_generic_report, (AuditError, VerifierError))
 
 
 def _run_audit(args: argparse.Namespace, label: str, total: int, run: Callable[[Callable[[int], None]], Any],
@@ -449,22 +488,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     from keelrl.envs.verifiers import VERIFIERS
 
-    audit = sub.add_parser("audit", help="run cheating and rewritten solutions through every task's env and "
-                                         "verifier; exit 1 if a cheat scores or a correct rewrite is rejected")
-    audit.add_argument("--env", choices=("coding", "reasoning_gym"), default="coding",
-                       help="coding: the bug-fix tasks' verifiers; reasoning_gym: a dataset's score_answer "
-                            "(cheats must score below 1, correct answers 1)")
+    audit = sub.add_parser("audit", help="run cheating and correct answers through an environment's verifier; "
+                                         "exit 1 if a cheat scores or a correct answer is rejected, 2 if the "
+                                         "audit failed")
+    audit.add_argument("overrides", nargs="*", help="dotted.key=value overrides of the environment's config "
+                                                    "(not for the coding audit), e.g. env.verifier=weak")
+    audit.add_argument("--env", default="coding",
+                       help="coding (default): the bug-fix tasks' verifiers; reasoning_gym: a dataset's "
+                            "score_answer (cheats must score below 1, correct answers 1); any other env.name "
+                            "(registered, an entry point or MODULE:ATTRIBUTE): the generic probes")
+    audit.add_argument("--generic", action="store_true",
+                       help="run the generic probes on coding or reasoning_gym too, instead of their own audits")
     audit.add_argument("--dataset", help="--env reasoning_gym: the dataset (env.dataset)")
     audit.add_argument("--rg-size", type=int, dest="rg_size", help="--env reasoning_gym: entries generated "
                                                                    "(env.rg_size)")
     audit.add_argument("--rg-seed", type=int, dest="rg_seed", help="--env reasoning_gym: generation seed "
                                                                    "(env.rg_seed)")
     audit.add_argument("--tasks", default="bundled",
-                       help="bundled, agent, real (comma-separated, e.g. bundled,real), or a tasks .jsonl file")
-    audit.add_argument("--verifier", choices=list(VERIFIERS), default="strong", help="the verifier to audit")
+                       help="coding: bundled, agent, real (comma-separated, e.g. bundled,real), or a tasks .jsonl "
+                            "file")
+    audit.add_argument("--verifier", choices=list(VERIFIERS), default="strong",
+                       help="coding: the verifier to audit (other environments: env.verifier=NAME)")
     audit.add_argument("--format", choices=("table", "json"), default="table")
-    audit.add_argument("--limit", type=int, help="audit only the first N tasks (default: all)")
-    audit.add_argument("--workers", type=int, help="parallel episodes (default: 8 per CPU core, at most 64)")
+    audit.add_argument("--limit", type=int, help="audit only the first N tasks (default: all; generic: the train "
+                                                 "tasks first, then the held-out ones)")
+    audit.add_argument("--workers", type=int, help="coding: parallel episodes (default: 8 per CPU core, at most 64)")
     audit.set_defaults(func=_cmd_audit)
     return parser
 

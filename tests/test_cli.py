@@ -155,10 +155,12 @@ def test_train_with_a_bad_task_file_says_so_in_one_line_before_loading_a_model(t
     empty.write_text("")
     broken = tmp_path / "broken.jsonl"
     broken.write_text("{not json\n")
+    model = tmp_path / "not-a-model"  # passes the path check; loading it would fail differently
+    model.mkdir()
+    (model / "config.json").write_text("{}")
     for source, message in ((tmp_path / "missing.jsonl", "No such file"), (empty, "0 train and 0 held-out tasks"),
                             (broken, "broken.jsonl:1")):
-        # model.path names no model: reaching the model would fail differently
-        assert main(["train", f"env.tasks={source}", "model.path=/no/such/model", f"run_dir={tmp_path / 'r'}"]) == 2
+        assert main(["train", f"env.tasks={source}", f"model.path={model}", f"run_dir={tmp_path / 'r'}"]) == 2
         err = capsys.readouterr().err
         assert "keel: config error: env.tasks" in err and message in err and "Traceback" not in err
 

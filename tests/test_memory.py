@@ -27,6 +27,9 @@ from keelrl.train import learner as learner_module
 from keelrl.train.learner import Learner, UpdateInputs, aggregation_weights, enable_gradient_checkpointing
 from keelrl.train.trainer import Trainer
 
+NOT_CODING = ("env.partial_credit=false", "env.show_file=true")
+"""After TINY_RUN (a coding recipe): its coding-only settings back to their defaults, which another kind refuses."""
+
 VOCAB = 40
 LENGTHS = [23, 7, 15, 30, 11, 30]  # right-padded to 30; row 5 has no action tokens
 
@@ -216,7 +219,7 @@ def test_a_step_logs_memory_and_micro_batches(tiny_model_dir, tmp_path):
     from keelrl.rollout.agent_loop import run_episodes, scripted_actor
     from keelrl.rollout.engines import StepRollouts
 
-    cfg = load_config(overrides=[*TINY_RUN, 
+    cfg = load_config(overrides=[*TINY_RUN, *NOT_CODING, 
         f"run_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}", "env.name=guess", "env.max_turns=6",
         "perf.micro_batch_tokens=64", "perf.gradient_checkpointing=true", "train.minibatch_size=4",
         "warm_start.demos=2", "warm_start.epochs=1", "warm_start.batch_size=2", "output.sample_trajectories=0"])

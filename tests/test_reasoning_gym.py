@@ -28,6 +28,9 @@ from keelrl.envs.tasks import split_of  # noqa: E402
 from keelrl.envs.tools import ActionError  # noqa: E402
 from keelrl.errors import ConfigError  # noqa: E402
 
+NOT_CODING = ("env.partial_credit=false", "env.show_file=true")
+"""After TINY_RUN (a coding recipe): its coding-only settings back to their defaults, which another kind refuses."""
+
 DATASET = "basic_arithmetic"
 RG = ["env.name=reasoning_gym", f"env.dataset={DATASET}", "env.rg_size=40"]
 
@@ -239,7 +242,7 @@ def test_the_tiny_model_trains_on_a_dataset_end_to_end(tiny_model_dir, tmp_path)
             self.seen.append(list(rollouts.trajectories))
             return super().rl_step(step, rollouts, started)
 
-    cfg = load_config(overrides=[*TINY_RUN, *RG, f"run_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}",
+    cfg = load_config(overrides=[*TINY_RUN, *NOT_CODING, *RG, f"run_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}",
                                  "env.max_turns=2", "warm_start.demos=8", "warm_start.epochs=1",
                                  "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=32",
                                  "train.steps=2", "eval.tasks=4", "eval.every=2", "rollout.engine=sync"])

@@ -19,6 +19,9 @@ from keelrl.envs.guess import GuessEnv, GuessTask, guess_tasks
 from keelrl.envs.teacher import ScriptedTeacher, edit_action
 from task_fixtures import BUGGY, FIXED, WRONG, binary_search_guess, retry_task
 
+NOT_CODING = ("env.partial_credit=false", "env.show_file=true")
+"""After TINY_RUN (a coding recipe): its coding-only settings back to their defaults, which another kind refuses."""
+
 READ, TEST, SUBMIT = "<call>read</call>", "<call>test</call>", "<call>submit</call>"
 TO_WRONG = '<call>replace 2\n    return config.get("retries", 3)\n</call>'
 TO_FIXED = ('<call>replace 2\n    value = config.get("retries")\n    if value is None:\n'
@@ -365,7 +368,7 @@ def test_trainer_runs_on_the_guessing_game(tiny_model_dir, tmp_path):
     from keelrl.config import load_config
     from keelrl.train.trainer import Trainer
 
-    cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}",
+    cfg = load_config(overrides=[*TINY_RUN, *NOT_CODING, f"run_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}",
                                  "env.name=guess", "env.max_turns=5", "warm_start.demos=16", "warm_start.epochs=1",
                                  "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=12",
                                  "train.steps=2", "eval.tasks=4", "rollout.engine=sync"])
@@ -419,7 +422,7 @@ def test_guess_verifier_names_are_checked():
 def test_trainer_trains_on_the_weak_guess_verifier_and_evaluates_with_strong(tmp_path):
     from keelrl.train.trainer import Trainer
 
-    trainer = Trainer(load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path}", "env.name=guess", "env.verifier=weak",
+    trainer = Trainer(load_config(overrides=[*TINY_RUN, *NOT_CODING, f"run_dir={tmp_path}", "env.name=guess", "env.verifier=weak",
                                              "warm_start.demos=0"]))
     train_env, eval_env = trainer.train_env_factory()(), trainer._env(training=False)()
     assert (train_env.verifier, eval_env.verifier) == ("weak", "strong")
@@ -437,7 +440,7 @@ def test_a_warm_start_leaves_each_demonstrations_mistake_out_of_its_loss(tiny_mo
     metrics = {}
     for imitate in (True, False):
         learned.clear()
-        cfg = load_config(overrides=[*TINY_RUN, f"model.path={tiny_model_dir}", f"run_dir={tmp_path / str(imitate)}",
+        cfg = load_config(overrides=[*TINY_RUN, *NOT_CODING, f"model.path={tiny_model_dir}", f"run_dir={tmp_path / str(imitate)}",
                                      "warm_start.demos=6", "warm_start.epochs=1", "warm_start.batch_size=6",
                                      "warm_start.mistake_rate=1.0", f"warm_start.imitate_mistakes={imitate}"])
         metrics[imitate] = (Trainer(cfg).warm_start(), sum(learned))

@@ -105,6 +105,14 @@ class EnvSpec:
     hidden_paths: Callable[[KeelConfig], list[str]] | None = None
     """cfg -> paths the environment's sandbox hides from the code it runs (coding: keelrl's
     source, the run directory, the task file); None: it runs no code."""
+    reference: Callable[[Any], str | None] | None = None
+    """task -> its reference answer as the answer tool takes it ("3500"), None for a task without
+    one; None: `keel audit` reads a task's str or number `answer` attribute, if it has one. The
+    audit's constant probes try the most frequent ones, its rewrites reformat them ("3500.0"), and
+    a probe that scores with the reference answer is a right answer, not a hole."""
+    probes: Callable[[KeelConfig], Sequence[Any]] | None = None
+    """cfg -> the environment's own audit probes (keelrl.audit.generic.EnvProbe: a name, a kind,
+    and the actions for a task), run by `keel audit` after its generic ones; None: none."""
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -218,6 +226,9 @@ def check_env_section(env: EnvConfig, spec: EnvSpec) -> None:
         reads = ", ".join(spec.fields) or "none besides " + ", ".join(EVERY_KIND_READS)
         raise ConfigError(name, f"{name}={value!r} is not read by {spec.label}{hint}; remove it. "
                                 f"{spec.label} reads: {reads}")
+    from keelrl.envs.formats import FORMATS
+
+    FORMATS.check(env.tool_format, "tool_format")
     if env.verifier not in spec.verifiers:
         raise ConfigError("verifier", f"{spec.label} has no verifier {env.verifier!r}; "
                                       f"valid names: {', '.join(spec.verifiers)}")
@@ -285,13 +296,15 @@ def settle_env(cfg: KeelConfig, spec: EnvSpec) -> KeelConfig:
     import dataclasses
 
     given = cfg.env.max_turns
+    own: int
     if spec.max_turns is not None:
         own = spec.max_turns if given is None else given
     else:
-        own = getattr(spec.train_env(cfg)(), "max_turns", None)
-        if isinstance(own, bool) or not isinstance(own, int) or own < 1:
-            raise ConfigError("env.max_turns", f"{spec.label}'s environments have max_turns={own!r}, not a positive "
-                                               f"int: give them one, or declare EnvSpec(max_turns=...)")
+        probed = getattr(spec.train_env(cfg)(), "max_turns", None)
+        if isinstance(probed, bool) or not isinstance(probed, int) or probed < 1:
+            raise ConfigError("env.max_turns", f"{spec.label}'s environments have max_turns={probed!r}, not a "
+                                               f"positive int: give them one, or declare EnvSpec(max_turns=...)")
+        own = probed
         if given is not None and given != own:
             raise ConfigError("env.max_turns", f"env.max_turns={given}, but the environments of {spec.label} have "
                                                f"max_turns={own}; leave env.max_turns unset to use the "
@@ -364,16 +377,17 @@ def _coding_env(cfg: KeelConfig, training: bool) -> EnvFactory:
         return CodingEnvFactory(env.verifier, partial_credit=env.partial_credit, max_turns=turns_of(cfg),
                                 show_tools=env.show_tools, show_file=env.show_file, key_weight=env.key_check_weight,
                                 hidden_paths=coding_hidden_paths(cfg), shaping=env.shaping,
-                                malformed_cost=env.malformed_cost)
+                                malformed_cost=env.malformed_cost, tool_format=env.tool_format)
     return CodingEnvFactory("strong", partial_credit=False, max_turns=turns_of(cfg), show_tools=env.show_tools,
-                            show_file=env.show_file, key_weight=1.0, hidden_paths=coding_hidden_paths(cfg))
+                            show_file=env.show_file, key_weight=1.0, hidden_paths=coding_hidden_paths(cfg),
+                            tool_format=env.tool_format)
 
 
 def _coding_teacher(cfg: KeelConfig) -> DemoTeacher:
     from keelrl.envs.teacher import ScriptedTeacher
 
     return ScriptedTeacher(success_rate=1.0, mistake_rate=cfg.warm_start.mistake_rate, seed=cfg.seed,
-                           read_first=not cfg.env.show_file)
+                           read_first=not cfg.env.show_file, tool_format=cfg.env.tool_format)
 
 
 def _coding_family(task: Any) -> str:
@@ -400,13 +414,19 @@ def _guess_tasks(cfg: KeelConfig) -> tuple[list[Any], list[Any]]:
 def _guess_env(cfg: KeelConfig, training: bool) -> EnvFactory:
     from keelrl.envs.guess import GuessEnvFactory
 
-    return GuessEnvFactory(turns_of(cfg), cfg.env.verifier if training else "strong")
+    return GuessEnvFactory(turns_of(cfg), cfg.env.verifier if training else "strong", cfg.env.tool_format)
+
+
+def _guess_reference(task: Any) -> str:
+    """The secret: the guess that wins (the audit tells a lucky constant from a hole by it)."""
+    return str(task.secret)
 
 
 def _guess_teacher(cfg: KeelConfig) -> DemoTeacher:
     from keelrl.envs.guess import BinarySearchTeacher
 
-    return BinarySearchTeacher(mistake_rate=cfg.warm_start.mistake_rate, seed=cfg.seed)
+    return BinarySearchTeacher(mistake_rate=cfg.warm_start.mistake_rate, seed=cfg.seed,
+                               tool_format=cfg.env.tool_format)
 
 
 # ------------------------------------------------------------------------------ reasoning gym
@@ -423,13 +443,13 @@ def _rg_env(cfg: KeelConfig, training: bool) -> EnvFactory:
 
     env = cfg.env
     return ReasoningGymEnvFactory(env.dataset, env.rg_size, env.rg_seed, max_turns=turns_of(cfg),
-                                  show_tools=env.show_tools)
+                                  show_tools=env.show_tools, tool_format=env.tool_format)
 
 
 def _rg_teacher(cfg: KeelConfig) -> DemoTeacher:
     from keelrl.envs.reasoning_gym import ReferenceAnswerTeacher
 
-    return ReferenceAnswerTeacher()
+    return ReferenceAnswerTeacher(cfg.env.tool_format)
 
 
 def _rg_validate(env: EnvConfig) -> None:
@@ -449,17 +469,17 @@ def _register_builtins() -> None:
                          title="the coding environment", max_turns=DEFAULT_MAX_TURNS, tools=CODING_TOOLS,
                          test_tool="test", hidden_paths=coding_hidden_paths,
                          fields=("tasks", "split_seed", "partial_credit", "key_check_weight", "show_tools",
-                                 "show_file", "shaping", "malformed_cost"),
+                                 "show_file", "shaping", "malformed_cost", "tool_format"),
                          off={"shaping": 0.0, "malformed_cost": 0.0}))
     register_env(EnvSpec(name="guess", tasks=_guess_tasks, train_env=lambda cfg: _guess_env(cfg, True),
                          eval_env=lambda cfg: _guess_env(cfg, False), teacher=_guess_teacher,
                          answer_tools=("guess",), verifiers=GUESS_VERIFIERS, title="the guessing game",
-                         max_turns=DEFAULT_MAX_TURNS, tools=GUESS_TOOLS,
-                         fields=("guess_n", "guess_tasks", "split_seed")))
+                         max_turns=DEFAULT_MAX_TURNS, tools=GUESS_TOOLS, reference=_guess_reference,
+                         fields=("guess_n", "guess_tasks", "split_seed", "tool_format")))
     register_env(EnvSpec(name="reasoning_gym", tasks=_rg_tasks, train_env=lambda cfg: _rg_env(cfg, True),
                          eval_env=lambda cfg: _rg_env(cfg, False), teacher=_rg_teacher,
                          answer_tools=(ANSWER_TOOL,), verifiers=RG_VERIFIERS, validate=_rg_validate,
                          title="env.name=reasoning_gym", max_turns=DEFAULT_MAX_TURNS, tools=RG_TOOLS,
-                         fields=("dataset", "rg_size", "rg_seed", "split_seed", "show_tools")))
+                         fields=("dataset", "rg_size", "rg_seed", "split_seed", "show_tools", "tool_format")))
 
 _register_builtins()
