@@ -114,6 +114,12 @@ def test_every_keel_command_takes_the_users_environment(tmp_path):
     assert view.returncode == 0, view.stderr
     assert "Convert " in (run / "view.html").read_text()
 
+    audit = keel("audit", "--env", "units", "--limit", "20", "--format", "json")
+    assert audit.returncode == 0, audit.stderr  # the strict verifier has no hole the probes find
+    assert json.loads(audit.stdout)["tasks"] == 20
+    hole = keel("audit", "--env", "units_lenient", "--limit", "20")
+    assert hole.returncode == 1 and "constant" in hole.stdout, hole.stdout + hole.stderr
+
 
 def test_the_import_path_trains_through_the_python_api(tmp_path, capsys):
     import keelrl
