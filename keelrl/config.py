@@ -86,7 +86,7 @@ class EnvConfig:
     name: str = "coding"
     """A registered environment (keelrl.envs.registry): coding (bug-fix tasks in the sandbox), guess
     (the number-guessing game: fast, for credit-assignment experiments) or reasoning_gym (a
-    reasoning-gym dataset, `dataset`, scored by its own score_answer)."""
+    reasoning-gym dataset, `dataset`, scored by its own score_answer); mix with `mix` set."""
     tasks: str = "bundled"
     """Coding: where the tasks come from: bundled (the templated kinds), agent (the agent kinds,
     where the failing test says what to change), real (standard-library functions with one
@@ -142,8 +142,22 @@ class EnvConfig:
     then runs the visible tests once more."""
     malformed_cost: float = 0.0
     """Coding: a rejected action (malformed call, bad argument) costs its turn this much reward."""
+    mix: list[str] = dataclasses.field(default_factory=list)
+    """Several environments in one run: entries NAME:WEIGHT or NAME (weight 1), NAME as env.name
+    takes it (a registered name, an entry point, an import path MODULE:ATTRIBUTE; the weight is
+    what follows the last colon when it is a number), e.g. [guess:3, keel_units:UNITS:1]. Each
+    step's groups are drawn in proportion to the weights, a group from one environment; each keeps
+    its own tasks, verifier, turn limit and held-out figures (keelrl.envs.mix). env.name is then
+    mix (left at its default, it becomes mix)."""
 
     def __post_init__(self) -> None:
+        if self.mix and self.name == type(self).name:  # the class attribute is the field's default
+            self.name = "mix"
+        if self.mix and self.name != "mix":
+            raise ConfigError("mix", f"env.mix is set, so env.name is mix (or left at its default), not "
+                                     f"{self.name!r}; list {self.name} in env.mix instead")
+        if self.name == "mix" and not self.mix:
+            raise ConfigError("mix", "env.name=mix needs env.mix=[NAME:WEIGHT, ...], the environments to mix")
         if self.max_turns is not None:
             _positive(max_turns=self.max_turns)
         _positive(key_check_weight=self.key_check_weight, guess_n=self.guess_n,

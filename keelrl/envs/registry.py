@@ -113,6 +113,10 @@ class EnvSpec:
     probes: Callable[[KeelConfig], Sequence[Any]] | None = None
     """cfg -> the environment's own audit probes (keelrl.audit.generic.EnvProbe: a name, a kind,
     and the actions for a task), run by `keel audit` after its generic ones; None: none."""
+    weights: Callable[[Sequence[Any]], Sequence[float]] | None = None
+    """train tasks -> their sampling weights, finite and > 0, one per task: each step draws its
+    tasks in proportion to them, without replacement within the step (keelrl.train.requests;
+    a mix of environments: each environment's weight shared among its tasks). None: uniform."""
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -269,9 +273,14 @@ def runs_own_mistakes(cfg: KeelConfig, teacher: Any) -> bool:
 
 
 def resolve_env(cfg: KeelConfig, env: EnvSpec | None = None) -> EnvSpec:
-    """The run's environment: `env` when given (its name must be cfg.env.name), else the one
-    registered as cfg.env.name; validated against the whole config. Raises ConfigError."""
-    if env is None:
+    """The run's environment: `env` when given (its name must be cfg.env.name), else the mix of
+    env.mix where set (keelrl.envs.mix), else the one registered as cfg.env.name; validated
+    against the whole config. Raises ConfigError."""
+    if env is None and cfg.env.mix:
+        from keelrl.envs.mix import mix_parts, mix_spec_fields
+
+        spec = EnvSpec(**mix_spec_fields(mix_parts(cfg.env.mix, env_spec)))
+    elif env is None:
         spec = env_spec(cfg.env.name)
     else:
         if not isinstance(env, EnvSpec):

@@ -2,7 +2,9 @@
 
 Every stream is a function of (seed, step) alone, or with a curriculum of (seed, step, the
 curriculum's state when the engine asks), so a resumed run repeats what an uninterrupted one
-would have done:
+would have done. Tasks are drawn uniformly, or, given the environment's sampling weights
+(`EnvSpec.weights`: a mix of environments), in proportion to them (times the curriculum's
+weights, with one):
 - `for_step(step)`: the step's `rollout.tasks_per_step` groups of `rollout.group_size`;
 - `extra(step, start, count)`: dynamic sampling's extra groups (`dynamic_fill`), indexed
   apart from the step stream (from `EXTRA_INDEX_BASE`);
@@ -11,6 +13,8 @@ would have done:
 
 from __future__ import annotations
 
+import itertools
+import math
 import random
 import threading
 from typing import Any, Sequence
@@ -32,18 +36,33 @@ class RequestStream:
     after each step (`record`), under one lock."""
 
     def __init__(self, cfg: KeelConfig, train_tasks: Sequence[Any], curriculum: Curriculum | None,
-                 has_teacher: bool) -> None:
+                 has_teacher: bool, weights: Sequence[float] | None = None) -> None:
         self.cfg, self.train_tasks, self.curriculum, self.has_teacher = cfg, list(train_tasks), curriculum, has_teacher
         self._lock = threading.Lock()
         self._index = {task.id: i for i, task in enumerate(self.train_tasks)}
+        self.weights = None if weights is None else [float(weight) for weight in weights]
+        """Each train task's sampling weight (`EnvSpec.weights`); None: uniform."""
+        if self.weights is not None:
+            if len(self.weights) != len(self.train_tasks):
+                raise ValueError(f"{len(self.weights)} sampling weights for {len(self.train_tasks)} train tasks")
+            bad = [weight for weight in self.weights if not (math.isfinite(weight) and weight > 0)]
+            if bad:
+                raise ValueError(f"sampling weights must be finite and > 0, got {bad[0]!r}")
+            self._cumulative = list(itertools.accumulate(self.weights))
 
     def for_step(self, step: int) -> list[GroupRequest]:
         """The group requests of RL step `step`."""
         r = self.cfg.rollout
         rng = random.Random(f"{self.cfg.seed}:step:{step}")
-        if self.curriculum is not None:  # from the curriculum's weights as they are now (and the same step seed)
+        if self.curriculum is not None and self.weights is not None:  # both, multiplied
+            with self._lock:
+                weights = [level * weight for level, weight in zip(self.curriculum.weights, self.weights)]
+            chosen = [self.train_tasks[i] for i in weighted_sample(weights, r.tasks_per_step, rng)]
+        elif self.curriculum is not None:  # from the curriculum's weights as they are now (and the same step seed)
             with self._lock:
                 chosen = [self.train_tasks[i] for i in self.curriculum.sample(r.tasks_per_step, rng)]
+        elif self.weights is not None:
+            chosen = [self.train_tasks[i] for i in weighted_sample(self.weights, r.tasks_per_step, rng)]
         else:
             chosen = rng.sample(self.train_tasks, min(r.tasks_per_step, len(self.train_tasks)))
         return [GroupRequest(index=(step - 1) * r.tasks_per_step + i, task=task, group_size=r.group_size,
@@ -54,7 +73,10 @@ class RequestStream:
         """Dynamic sampling's extra groups `start..start+count-1` of step `step`."""
         r = self.cfg.rollout
         rng = random.Random(f"{self.cfg.seed}:step:{step}:extra")
-        tasks = [rng.choice(self.train_tasks) for _ in range(start + count)][start:]
+        if self.weights is None:
+            tasks = [rng.choice(self.train_tasks) for _ in range(start + count)][start:]
+        else:  # one draw per group, with replacement as above: the first groups do not depend on `count`
+            tasks = rng.choices(self.train_tasks, cum_weights=self._cumulative, k=start + count)[start:]
         return [GroupRequest(index=EXTRA_INDEX_BASE + step * 100_000 + start + j, task=task, group_size=r.group_size,
                              seed=(self.cfg.seed * 1_000_003 + step) * 1009 + 500_000 + start + j,
                              group_id=r.tasks_per_step + start + j)
@@ -93,3 +115,19 @@ class RequestStream:
                     self.curriculum.record(self._index[trajectory.task_id], trajectory.success)
             self.curriculum.update()
             return self.curriculum.metrics()
+
+
+def weighted_sample(weights: Sequence[float], count: int, rng: random.Random) -> list[int]:
+    """`count` distinct indices (fewer if fewer have weight > 0), each draw in proportion to the
+    weights of those not yet drawn (as `Curriculum.sample` draws)."""
+    pool = [(index, weight) for index, weight in enumerate(weights) if weight > 0]
+    chosen: list[int] = []
+    while pool and len(chosen) < count:
+        point = rng.random() * sum(weight for _, weight in pool)
+        for position, (index, weight) in enumerate(pool):
+            point -= weight
+            if point < 0 or position == len(pool) - 1:
+                chosen.append(index)
+                del pool[position]
+                break
+    return chosen

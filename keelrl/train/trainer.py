@@ -168,7 +168,9 @@ class Trainer:
             levels = c.level_of()
             self.curriculum = Curriculum([levels.get(getattr(task, "kind", ""), 0) for task in self.train_tasks],
                                          cfg.curriculum, seed=cfg.seed)
-        self.requests = RequestStream(cfg, self.train_tasks, self.curriculum, has_teacher=self.teacher is not None)
+        weights = None if self.env_spec.weights is None else self.env_spec.weights(self.train_tasks)
+        self.requests = RequestStream(cfg, self.train_tasks, self.curriculum, has_teacher=self.teacher is not None,
+                                      weights=weights)  # a mix of environments: in proportion to their weights
         self.precision = resolve_precision(cfg, self.model, self.device)
         """What eval.dtype and perf.learner_precision came to on this machine, and why (precision.json)."""
         learner_cfg = dataclasses.replace(cfg, perf=dataclasses.replace(
