@@ -20,7 +20,8 @@ from keelrl.envs.base import CheckResult, Grade, check_env, run_episode
 from keelrl.envs.mix import MixEnvFactory, MixPart, MixTask, interleave, mix_spec_fields, parse_entry
 from keelrl.envs.registry import EnvSpec, env_spec, settle_env, split_tasks
 from keelrl.errors import ConfigError
-from keelrl.train.requests import RequestStream, weighted_sample
+from keelrl.train.curriculum import weighted_sample
+from keelrl.train.requests import RequestStream
 
 pytest.importorskip("keel_units", reason="the user-style environment package: pip install -e examples/units_env")
 

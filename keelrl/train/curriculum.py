@@ -98,19 +98,7 @@ class Curriculum:
     def sample(self, count: int, rng: random.Random | None = None) -> list[int]:
         """`count` distinct tasks (fewer if fewer are admitted), drawn in proportion to weight
         (from `rng`, else the curriculum's own generator)."""
-        rng = rng or self._rng
-        pool = [(task, weight) for task, weight in enumerate(self.weights) if weight > 0]
-        chosen: list[int] = []
-        while pool and len(chosen) < count:
-            total = sum(weight for _, weight in pool)
-            point = rng.random() * total
-            for index, (task, weight) in enumerate(pool):
-                point -= weight
-                if point < 0 or index == len(pool) - 1:
-                    chosen.append(task)
-                    del pool[index]
-                    break
-        return chosen
+        return weighted_sample(self.weights, count, rng or self._rng)
 
     def state_dict(self) -> dict[str, object]:
         """What a checkpoint keeps: the level, the counts and the weights."""
@@ -140,3 +128,19 @@ class Curriculum:
                                               if measured else 0.0),
                 "curriculum/weight_entropy": entropy,
                 "curriculum/attempts": float(sum(self.attempts))}
+
+
+def weighted_sample(weights: Sequence[float], count: int, rng: random.Random) -> list[int]:
+    """`count` distinct indices (fewer if fewer have weight > 0), each draw in proportion to the
+    weights of those not yet drawn."""
+    pool = [(index, weight) for index, weight in enumerate(weights) if weight > 0]
+    chosen: list[int] = []
+    while pool and len(chosen) < count:
+        point = rng.random() * sum(weight for _, weight in pool)
+        for position, (index, weight) in enumerate(pool):
+            point -= weight
+            if point < 0 or position == len(pool) - 1:
+                chosen.append(index)
+                del pool[position]
+                break
+    return chosen

@@ -23,7 +23,7 @@ from keelrl.config import KeelConfig
 from keelrl.rollout.engines import RolloutEngine, StepRollouts
 from keelrl.rollout.scheduler import GroupRequest
 from keelrl.rollout.trajectory import Trajectory
-from keelrl.train.curriculum import Curriculum
+from keelrl.train.curriculum import Curriculum, weighted_sample
 from keelrl.train.dynamic import fill_batch
 
 EXTRA_INDEX_BASE = 1 << 40
@@ -116,18 +116,3 @@ class RequestStream:
             self.curriculum.update()
             return self.curriculum.metrics()
 
-
-def weighted_sample(weights: Sequence[float], count: int, rng: random.Random) -> list[int]:
-    """`count` distinct indices (fewer if fewer have weight > 0), each draw in proportion to the
-    weights of those not yet drawn (as `Curriculum.sample` draws)."""
-    pool = [(index, weight) for index, weight in enumerate(weights) if weight > 0]
-    chosen: list[int] = []
-    while pool and len(chosen) < count:
-        point = rng.random() * sum(weight for _, weight in pool)
-        for position, (index, weight) in enumerate(pool):
-            point -= weight
-            if point < 0 or position == len(pool) - 1:
-                chosen.append(index)
-                del pool[position]
-                break
-    return chosen
