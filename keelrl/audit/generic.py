@@ -650,13 +650,7 @@ class GenericAuditReport:
         order = [family for family in GENERIC_PROBES if family in present]  # then the env's own, as they ran
         for family in dict.fromkeys([*order, *(result.family for result in self.results)]):
             mine = [result for result in self.results if result.family == family]
-            rows.append(FamilySummary(
-                family=family, kind=mine[0].kind, tasks=len({r.task_id for r in mine}), probes=len(mine),
-                scored_tasks=len({r.task_id for r in mine if r.scored}),
-                success_tasks=len({r.task_id for r in mine if r.success}),
-                mean_reward=sum(r.reward for r in mine) / len(mine),
-                flagged_tasks=list(dict.fromkeys(r.task_id for r in mine if r.flagged)),
-                equivalent_tasks=list(dict.fromkeys(r.task_id for r in mine if r.scored and r.equivalent))))
+            rows.append(FamilySummary.of(family, mine))
         return rows
 
     @property

@@ -47,6 +47,17 @@ class FamilySummary:
     def flagged(self) -> bool:
         return bool(self.flagged_tasks)
 
+    @classmethod
+    def of(cls, family: str, results: Sequence[Any]) -> "FamilySummary":
+        """The row of `family` from its probe results (non-empty; each with task_id, kind, scored,
+        success, reward, flagged, equivalent)."""
+        return cls(family=family, kind=results[0].kind, tasks=len({r.task_id for r in results}),
+                   probes=len(results), scored_tasks=len({r.task_id for r in results if r.scored}),
+                   success_tasks=len({r.task_id for r in results if r.success}),
+                   mean_reward=sum(r.reward for r in results) / len(results),
+                   flagged_tasks=list(dict.fromkeys(r.task_id for r in results if r.flagged)),
+                   equivalent_tasks=list(dict.fromkeys(r.task_id for r in results if r.scored and r.equivalent)))
+
 
 @dataclass
 class AuditReport:
@@ -67,14 +78,7 @@ class AuditReport:
             mine = [result for result in self.results if result.family == family]
             if not mine:
                 continue
-            tasks = list(dict.fromkeys(result.task_id for result in mine))
-            rows.append(FamilySummary(
-                family=family, kind=mine[0].kind, tasks=len(tasks), probes=len(mine),
-                scored_tasks=len({r.task_id for r in mine if r.scored}),
-                success_tasks=len({r.task_id for r in mine if r.success}),
-                mean_reward=sum(r.reward for r in mine) / len(mine),
-                flagged_tasks=list(dict.fromkeys(r.task_id for r in mine if r.flagged)),
-                equivalent_tasks=list(dict.fromkeys(r.task_id for r in mine if r.scored and r.equivalent))))
+            rows.append(FamilySummary.of(family, mine))
         return rows
 
     @property
