@@ -105,6 +105,7 @@ VOWELS_ENV = EnvSpec(
     eval_env=lambda cfg: make_env,
     teacher=lambda cfg: VowelTeacher(cfg.seed, cfg.warm_start.mistake_rate),
     answer_tools=("answer",),
+    fields=("split_seed",),  # the env settings it reads; any other set is refused
     title="the vowel-counting environment")
 
 
@@ -146,7 +147,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     task = word_tasks(1)[0]
     keelrl.check_env(VowelEnv(), task, good_actions=[f"<call>answer {task.vowels}</call>"])
 
-    cfg = keelrl.configure(None, *keelrl.TINY_RUN, "env.name=vowels", "env.max_turns=1",
+    # TINY_RUN is the tiny model's coding recipe: its coding-only env settings go back to their defaults.
+    cfg = keelrl.configure(None, *keelrl.TINY_RUN, "env.partial_credit=false", "env.show_file=true",
+                           "env.name=vowels", "env.max_turns=1",
                            "rollout.max_new_tokens=16", "rollout.engine=sync", "warm_start.demos=256",
                            "warm_start.mistake_rate=0.2", "warm_start.epochs=3", "eval.tasks=100",
                            "algo.preset=grpo", "algo.advantage=median_baseline", f"train.steps={args.steps}",
