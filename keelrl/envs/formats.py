@@ -244,7 +244,43 @@ class JsonCallFormat(ToolFormat):
 
     def schemas(self, tools: Mapping[str, ToolSpec]) -> str:
         """One JSON schema (ToolSpec.schema) per line."""
-        return "\n".join(json.dumps(spec.schema(), ensure_ascii=False) for spec in tools.values())
+        return dump_schemas([spec.schema() for spec in tools.values()])
+
+    def describe(self, tools: Mapping[str, ToolSpec]) -> str:
+        return self.describe_schemas([spec.schema() for spec in tools.values()])
+
+    def describe_schemas(self, schemas: list[dict[str, Any]]) -> str:
+        """`describe` for tools given as OpenAI-style function schemas (an API request's `tools`):
+        the same text `describe` gives for ToolSpecs with those schemas."""
+        raise NotImplementedError
+
+    def calls_in(self, text: str) -> tuple[str, list[dict[str, Any]]] | None:
+        """The tool calls an action's text holds, leniently, as an API reply gives them: (the text
+        before them, [{"name": ..., "arguments": {...}}, ...]); None when the text holds no well-formed
+        call object (the reply is then plain content). No ToolSpec is checked: the caller's harness
+        validates its own arguments."""
+        raise NotImplementedError
+
+    def write_calls(self, calls: list[dict[str, Any]]) -> str:
+        """The text of `calls` ({"name", "arguments"} objects) in this format, for an assistant
+        message a chat template does not render tool calls of."""
+        raise NotImplementedError
+
+
+def dump_schemas(schemas: list[dict[str, Any]]) -> str:
+    """One JSON schema per line, as the JSON formats' tool descriptions list them."""
+    return "\n".join(json.dumps(schema, ensure_ascii=False) for schema in schemas)
+
+
+def _call_object(value: Any, keys: tuple[str, ...]) -> dict[str, Any] | None:
+    """{"name", "arguments"} of a decoded call object, or None when it is not one."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    given = [key for key in keys if key in value]
+    arguments = value[given[0]] if given else {}
+    if not isinstance(arguments, dict) or set(value) - {"name", *keys} or len(given) > 1:
+        return None
+    return {"name": value["name"], "arguments": arguments}
 
 
 def _call_from_arguments(spec: ToolSpec, arguments: dict[str, Any], usage: str) -> ToolCall:
@@ -338,11 +374,36 @@ class HermesFormat(JsonCallFormat):
     def usage(self, spec: ToolSpec) -> str:
         return f"{self.open}{super().usage(spec)}{self.close}"
 
-    def describe(self, tools: Mapping[str, ToolSpec]) -> str:
+    def describe_schemas(self, schemas: list[dict[str, Any]]) -> str:
         return ("# Tools\n\nAct by calling exactly one function per turn. The functions, as JSON schemas "
-                f"within <tools></tools>:\n<tools>\n{self.schemas(tools)}\n</tools>\n\n"
+                f"within <tools></tools>:\n<tools>\n{dump_schemas(schemas)}\n</tools>\n\n"
                 "Write the call as a JSON object holding the function's name and arguments, within "
                 f"{self.open}{self.close} tags:\n{self.open}\n{CALL_SHAPE}\n{self.close}")
+
+
+    def calls_in(self, text: str) -> tuple[str, list[dict[str, Any]]] | None:
+        calls, cursor = [], 0
+        first = text.find(self.open)
+        while True:
+            start = text.find(self.open, cursor)
+            if start < 0:
+                break
+            end = text.find(self.close, start)
+            if end < 0:
+                return None
+            try:
+                value = json.loads(text[start + len(self.open):end].strip())
+            except (ValueError, RecursionError):
+                return None
+            call = _call_object(value, self.argument_keys)
+            if call is None:
+                return None
+            calls.append(call)
+            cursor = end + len(self.close)
+        return (text[:first].strip(), calls) if calls else None
+
+    def write_calls(self, calls: list[dict[str, Any]]) -> str:
+        return "\n".join(f"{self.open}\n{json.dumps(call, ensure_ascii=False)}\n{self.close}" for call in calls)
 
 
 class JsonFormat(JsonCallFormat):
@@ -369,9 +430,20 @@ class JsonFormat(JsonCallFormat):
     def render(self, call: ToolCall, tools: Mapping[str, ToolSpec]) -> str:
         return json.dumps(self.object_of(call, tools), ensure_ascii=False)
 
-    def describe(self, tools: Mapping[str, ToolSpec]) -> str:
+    def calls_in(self, text: str) -> tuple[str, list[dict[str, Any]]] | None:
+        try:
+            value = json.loads(text.strip())
+        except (ValueError, RecursionError):
+            return None
+        call = _call_object(value, self.argument_keys)
+        return None if call is None else ("", [call])
+
+    def write_calls(self, calls: list[dict[str, Any]]) -> str:
+        return "\n".join(json.dumps(call, ensure_ascii=False) for call in calls)
+
+    def describe_schemas(self, schemas: list[dict[str, Any]]) -> str:
         return ("# Tools\n\nAct by calling exactly one function per turn. The functions, as JSON schemas:\n"
-                f"{self.schemas(tools)}\n\nReply with the call alone, a JSON object holding the function's name "
+                f"{dump_schemas(schemas)}\n\nReply with the call alone, a JSON object holding the function's name "
                 f"and arguments:\n{CALL_SHAPE}")
 
 
