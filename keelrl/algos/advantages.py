@@ -161,7 +161,7 @@ def _sanitize(token_rewards: Tensor, mask: Tensor) -> Tensor:
 
 
 @ADVANTAGES.register("reinforce", summary="raw outcome reward, no baseline (REINFORCE)",
-                     tags=("group",))
+                     tags=("group", "outcome",))
 def reinforce(*, token_rewards: Tensor, mask: Tensor, group_ids: Tensor,
               values: Tensor | None, turn_ids: Tensor | None, cfg: "AlgoConfig") -> AdvantageOutput:
     """token_rewards [B, T] -> advantages [B, T]: each row's total reward at every action token."""
@@ -170,7 +170,7 @@ def reinforce(*, token_rewards: Tensor, mask: Tensor, group_ids: Tensor,
 
 
 @ADVANTAGES.register("grpo", summary="group comparison: (r - group mean) / group std",
-                     tags=("group", "uses_std"))
+                     tags=("group", "outcome", "uses_std"))
 def grpo(*, token_rewards: Tensor, mask: Tensor, group_ids: Tensor,
          values: Tensor | None, turn_ids: Tensor | None, cfg: "AlgoConfig") -> AdvantageOutput:
     """token_rewards [B, T] -> [B, T]: (score - group mean), / group std if cfg.norm_by_std."""
@@ -186,7 +186,7 @@ def grpo(*, token_rewards: Tensor, mask: Tensor, group_ids: Tensor,
 
 
 @ADVANTAGES.register("dr_grpo", summary="group comparison: r - group mean (no std)",
-                     tags=("group",))
+                     tags=("group", "outcome",))
 def dr_grpo(*, token_rewards: Tensor, mask: Tensor, group_ids: Tensor,
             values: Tensor | None, turn_ids: Tensor | None, cfg: "AlgoConfig") -> AdvantageOutput:
     """token_rewards [B, T] -> [B, T]: score minus its group's mean."""
@@ -197,7 +197,7 @@ def dr_grpo(*, token_rewards: Tensor, mask: Tensor, group_ids: Tensor,
 
 
 @ADVANTAGES.register("rloo", summary="leave-one-out: r - mean of the group's others (RLOO)",
-                     tags=("group",))
+                     tags=("group", "outcome",))
 def rloo(*, token_rewards: Tensor, mask: Tensor, group_ids: Tensor,
          values: Tensor | None, turn_ids: Tensor | None, cfg: "AlgoConfig") -> AdvantageOutput:
     """token_rewards [B, T] -> [B, T]: score minus the mean of the other group members.

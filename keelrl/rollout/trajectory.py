@@ -46,7 +46,8 @@ class Trajectory:
     partial: float = 0.0
     checks: list[dict[str, Any]] = field(default_factory=list)
     termination: str = ""
-    """submitted | max_turns | context_limit | env_error (the environment itself failed: see `error`)."""
+    """submitted | max_turns | context_limit | env_error (the environment itself failed: see `error`) |
+    unfinished (a harness's episode that ended without a reward: keelrl.serve.sessions)."""
     error: str = ""
     """termination 'env_error': what the environment raised (or returned instead of its protocol's
     values) in reset or step, with where. Such an episode has no grade, so reward and partial are
@@ -62,6 +63,14 @@ class Trajectory:
     """Each turn's `info` from env.step, its plain values only (str, int, float, bool): the tool
     (coding: info["tool"]), the error, the test counts, the turn's reward (info["reward"])."""
     seconds: dict[str, float] = field(default_factory=dict)
+    episode: str = ""
+    """The episode this trajectory is a sample of, where an episode gave several (a harness that
+    rewrote its history: keelrl.serve.sessions); empty: the trajectory is the whole episode."""
+    sample: int = 0
+    """Its place among its episode's samples."""
+    samples: int = 1
+    """How many samples its episode gave; each carries the episode's reward, and the learner counts
+    the episode once in its group's baseline (keelrl.train.advantage)."""
 
     def extend(self, tokens: Sequence[int], *, action: bool, turn: int, logprobs: Sequence[float] | None = None) -> None:
         """Append tokens: the policy's (action=True, with their behaviour log-probs) or the env's."""
@@ -122,6 +131,9 @@ class Batch:
     """[B, T] float: each turn's own reward (`Trajectory.turn_rewards`) at its last action token, 0 elsewhere."""
     cut: Tensor | None = None
     """[B] bool: the episode was cut by a limit (`Trajectory.cut`); None reads as no episode cut."""
+    episode_ids: Tensor | None = None
+    """[B] long: rows of one episode share an id, where an episode gave several samples
+    (`Trajectory.samples`); None: every row is a whole episode."""
 
     def to(self, device: torch.device) -> "Batch":
         return Batch(**{name: None if value is None else value.to(device)  # type: ignore[arg-type]
@@ -157,8 +169,13 @@ def collate(trajectories: Sequence[Trajectory], pad_id: int) -> Batch:
     rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
     groups = torch.tensor([t.group_id for t in trajectories], dtype=torch.long)
     cut = torch.tensor([t.cut for t in trajectories], dtype=torch.bool)
+    episodes = None
+    if any(t.samples > 1 for t in trajectories):
+        names: dict[str, int] = {}
+        episodes = torch.tensor([names.setdefault(t.episode or f"row-{row}", len(names))
+                                 for row, t in enumerate(trajectories)], dtype=torch.long)
     return Batch(input_ids, attention, action, behaviour, turns, rewards, groups, observation, labels, step_rewards,
-                 cut)
+                 cut, episodes)
 
 
 def last_action_positions(trajectory: Trajectory) -> dict[int, int]:

@@ -9,7 +9,10 @@ In this order, all without gradients:
    an environment's per-turn reward, e.g. the coding environment's potential-based shaping) on
    that turn's last action token, less the KL penalty when it is in the reward
    (`algo.kl_in_reward`);
-3. the registered advantage estimator (group baseline, or critic + GAE);
+3. the registered advantage estimator (group baseline, or critic + GAE); where an episode gave
+   several samples (a harness that rewrote its history: `Batch.episode_ids`), an outcome
+   estimator runs over episodes, each counted once in its group with the rewards of all its
+   samples, and every sample's action tokens get its episode's advantage (`episode_advantages`);
 4. process reward shaping: the process reward model scores the turns (before it is fitted on
    this batch: an out-of-sample accuracy), adds `prm.weight` x its advantages, then fits;
 5. distillation shaping: minus `distill.coef` x the teacher's sampled reverse KL per token
@@ -33,6 +36,8 @@ import torch
 from torch import Tensor
 
 from keelrl.algos import compute_advantages, correction_weights, outcome_to_token_rewards
+from keelrl.algos.advantages import AdvantageOutput, trajectory_scores
+from keelrl.algos.registries import ADVANTAGES
 from keelrl.algos.config import AlgoConfig
 from keelrl.algos.distill import sampled_reverse_kl
 from keelrl.algos.losses import kl_reward_penalty
@@ -98,6 +103,35 @@ def good_turn_credit(advantages: Tensor, batch: Batch) -> dict[str, float]:
             "credit/good_turn_positive_frac": float((turn_mean > 0).double().mean())}
 
 
+def episode_advantages(token_rewards: Tensor, mask: Tensor, rewards: Tensor, group_ids: Tensor,
+                       episode_ids: Tensor, algo: AlgoConfig) -> AdvantageOutput:
+    """token_rewards, mask [B, T], rewards, group_ids, episode_ids [B] -> advantages [B, T]: each
+    sample's action tokens get its episode's advantage.
+
+    `rewards` are the outcome rewards on each row's last action token (an episode's samples all
+    carry its outcome). An episode's score is its outcome, once, plus whatever else its samples'
+    tokens were rewarded (their turns' rewards, a KL penalty); the outcome estimator
+    `algo.advantage` runs over one score per episode, so an episode split into k samples weighs in
+    its group's baseline as one episode, not k. ValueError for an estimator whose advantage varies
+    within an episode (per turn, or from a critic): a split episode has no single run of turns."""
+    if "outcome" not in ADVANTAGES.entry(algo.advantage).tags:
+        outcome = [name for name in ADVANTAGES.names() if "outcome" in ADVANTAGES.entry(name).tags]
+        raise ValueError(f"algo.advantage={algo.advantage} cannot credit an episode split into several samples "
+                         f"(a harness rewrote its history); use an outcome estimator: {', '.join(outcome)}")
+    has_action = mask.any(dim=1)
+    extra = trajectory_scores(token_rewards, mask) - torch.where(has_action, rewards.to(token_rewards.dtype), 0.0)
+    episodes, row_episode = torch.unique(episode_ids.to(mask.device), return_inverse=True)
+    count = len(episodes)
+    outcome = token_rewards.new_zeros(count).scatter_(0, row_episode, rewards.to(token_rewards.dtype))
+    scores = outcome + token_rewards.new_zeros(count).index_add_(0, row_episode, extra)  # [E]
+    groups = group_ids.new_zeros(count).scatter_(0, row_episode, group_ids)
+    one = torch.ones((count, 1), dtype=torch.bool, device=mask.device)
+    out = compute_advantages(token_rewards=scores.unsqueeze(1), mask=one, group_ids=groups, cfg=algo)
+    per_row = out.advantages[:, 0][row_episode]  # [B]
+    advantages = torch.where(mask, per_row.unsqueeze(1).to(token_rewards.dtype), torch.zeros_like(token_rewards))
+    return AdvantageOutput(advantages, torch.zeros_like(token_rewards))
+
+
 @dataclass
 class Advantages:
     """The stage's result: the updates' inputs and the stage's own metrics."""
@@ -161,8 +195,11 @@ class AdvantageStage:
                 token_rewards = kl_reward_penalty(token_rewards, batch.behaviour_logprobs, ref_logp, mask,
                                                   algo.kl_coef, algo.kl_estimator)
         values = prox_out.get("values")
-        out = compute_advantages(token_rewards=token_rewards, mask=mask, group_ids=batch.group_ids, cfg=algo,
-                                 values=values, turn_ids=batch.turn_ids)
+        if batch.episode_ids is not None:
+            out = episode_advantages(token_rewards, mask, rewards, batch.group_ids, batch.episode_ids, algo)
+        else:
+            out = compute_advantages(token_rewards=token_rewards, mask=mask, group_ids=batch.group_ids, cfg=algo,
+                                     values=values, turn_ids=batch.turn_ids)
         advantages = out.advantages
         stats: dict[str, float] = {
             "train/zero_advantage_frac": zero_advantage_frac(dataclasses.replace(batch, rewards=rewards)),
