@@ -146,24 +146,30 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_eval(args: argparse.Namespace) -> int:
+def _checkpoint_config(run_dir: Path, overrides: list[str]) -> Any:
+    """The config of the run in `run_dir` with model.path at its last checkpoint's model (then
+    `overrides`); None, having said why on stderr, when it has no readable checkpoint."""
     from keelrl.config import load_config
-    from keelrl.train.trainer import Trainer
-
     from keelrl.runs import CheckpointError, latest_checkpoint
 
-    run_dir = Path(args.run_dir)
     try:
         checkpoint = latest_checkpoint(run_dir)
     except CheckpointError as error:
         print(f"keel: {error}", file=sys.stderr)
-        return 2
+        return None
     if checkpoint is None:
         print(f"keel: no checkpoint in {str(run_dir)!r} (no checkpoint.json)", file=sys.stderr)
-        return 2
+        return None
+    return load_config(run_dir / "config.yaml", [f"model.path={checkpoint / 'model'}", *overrides])
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from keelrl.train.trainer import Trainer
+
     # Evaluation logs to no sink: a run's W&B or MLflow need not be installed to evaluate it.
-    cfg = load_config(run_dir / "config.yaml", [f"model.path={checkpoint / 'model'}", "log.sinks=[jsonl]",
-                                                *args.overrides])
+    cfg = _checkpoint_config(Path(args.run_dir), ["log.sinks=[jsonl]", *args.overrides])
+    if cfg is None:
+        return 2
     result = Trainer(cfg).evaluate()
     print(json.dumps(result, indent=2))
     return 0
@@ -413,6 +419,59 @@ def _cmd_precision(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+
+    import torch
+
+    from keelrl.config import load_config
+    from keelrl.policy.download import ModelPathError, check_model_path
+    from keelrl.policy.model import load_policy
+    from keelrl.policy.sampling import SamplingConfig
+    from keelrl.serve import Endpoint, EndpointConfig
+
+    if args.run:
+        found = _checkpoint_config(Path(args.run), list(args.overrides))
+        if found is None:
+            return 2
+        cfg = found
+    else:
+        cfg = load_config(args.config, args.overrides)
+    try:
+        check_model_path(cfg.model.path)
+    except ModelPathError as error:
+        raise ConfigError("model.path", str(error)) from None
+    model, tokenizer = load_policy(cfg.model.path, device="auto")
+    model.eval().requires_grad_(False)
+    limit = getattr(model.config, "max_position_embeddings", None) or cfg.rollout.max_context_tokens
+    config = EndpointConfig(
+        model_name=args.name, host=args.host, port=args.port, api_key=args.api_key or "", tool_format=args.tool_format,
+        max_context_tokens=min(limit, args.max_context or limit),
+        sampling=SamplingConfig(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                max_new_tokens=args.max_tokens, stop=(), keep_kv=True, decoder=cfg.rollout.decoder,
+                                dtype=getattr(torch, cfg.rollout.dtype) if cfg.rollout.dtype != "auto" else None,
+                                kv_budget_mb=cfg.rollout.kv_budget_mb),
+        seed=cfg.seed)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with Endpoint(model, tokenizer, config) as endpoint:
+        print(f"keel: serving {cfg.model.path} as {args.name!r} on {endpoint.url}/v1 (Ctrl-C stops)", file=sys.stderr,
+              flush=True)
+        try:
+            while not stop.wait(0.5):
+                pass
+        except KeyboardInterrupt:
+            pass
+        if args.record:
+            with open(args.record, "w", encoding="utf-8") as handle:
+                for session in endpoint.sessions.values():
+                    for call in session.calls:
+                        handle.write(json.dumps({"session": session.id, **call.to_dict()}) + "\n")
+            print(f"keel: {sum(len(s.calls) for s in endpoint.sessions.values())} calls recorded in {args.record}",
+                  file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="keel", description="keelrl: RL for LLM agents.")
     parser.add_argument("--version", action="version", version=f"keelrl {__version__}")
@@ -436,6 +495,26 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. algo.preset=dapo")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     train.set_defaults(func=_cmd_train)
+
+    serve = sub.add_parser("serve", help="serve the policy as an OpenAI-compatible chat-completions endpoint that "
+                                         "records every call's tokens (keelrl.serve)")
+    serve.add_argument("config", nargs="?", help="YAML config whose model.path is served (default: the built-in "
+                                                 "default's)")
+    serve.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. model.path=tiny")
+    serve.add_argument("--run", metavar="RUN_DIR", help="serve a run's last checkpoint")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", dest="api_key", help="refuse requests without Authorization: Bearer KEY (401)")
+    serve.add_argument("--name", default="keel-policy", help="the model id requests name")
+    serve.add_argument("--tool-format", dest="tool_format", default="hermes", choices=("hermes", "json"),
+                       help="how tool calls are written in completions")
+    serve.add_argument("--max-tokens", dest="max_tokens", type=int, default=512,
+                       help="the most tokens a completion may have")
+    serve.add_argument("--max-context", dest="max_context", type=int,
+                       help="prompt plus completion limit (default: the model's)")
+    serve.add_argument("--record", metavar="FILE", help="on exit, write every call (session, token ids, log-probs, "
+                                                        "policy version) to this JSONL file")
+    serve.set_defaults(func=_cmd_serve)
 
     evaluate = sub.add_parser("eval", help="evaluate a run's last checkpoint on held-out tasks")
     evaluate.add_argument("run_dir")

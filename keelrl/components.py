@@ -27,6 +27,7 @@ from keelrl.policy.decoders import DECODERS
 from keelrl.policy.download import ModelPathError, check_model_path
 from keelrl.registry import Registry
 from keelrl.rollout.build import ENGINES
+from keelrl.serve import engine as _endpoint_engine  # noqa: F401  (registers rollout.engine=endpoint)
 from keelrl.sinks import SINKS
 
 
@@ -43,6 +44,8 @@ def check(cfg: KeelConfig, env: EnvSpec | None = None) -> EnvSpec:
     if unknown:
         raise ConfigError("log.sinks", f"unknown sink(s) {unknown}; valid names: {', '.join(SINKS)}")
     spec = resolve_env(cfg, env)
+    if cfg.rollout.engine == "endpoint":
+        _endpoint_engine.check_settings(cfg)
     try:
         check_model_path(cfg.model.path)
     except ModelPathError as error:

@@ -237,6 +237,19 @@ class RolloutSettings:
     kv_budget_mb: int = 4096
     """Memory budget of the decode engine's KV cache in MiB: slots for concurrent sequences and kept
     multi-turn histories; the least recently used kept history is evicted when over it."""
+    harness: str = ""
+    """Endpoint: the agent harness command keelrl starts (split like a shell line, run with
+    OPENAI_BASE_URL, OPENAI_API_KEY, KEEL_ENDPOINT and KEEL_MODEL set); empty: a harness attaches
+    from outside (keelrl.serve.engine)."""
+    harness_timeout_s: float = 600.0
+    """Endpoint: a harness that makes no call for this long stops the run with an error naming the
+    open episodes (kept, marked unfinished)."""
+    endpoint_host: str = "127.0.0.1"
+    """Endpoint: the address it binds (another than 127.0.0.1 exposes the policy to the network)."""
+    endpoint_port: int = 0
+    """Endpoint: its port (0: any free one, printed at the start)."""
+    endpoint_key: str = ""
+    """Endpoint: the API key requests must carry (Authorization: Bearer KEY); empty: none."""
 
     def __post_init__(self) -> None:
         _cores("worker_cores", self.worker_cores)
@@ -249,7 +262,9 @@ class RolloutSettings:
                   temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
                   max_context_tokens=self.max_context_tokens, env_threads=self.env_threads,
                   workers=self.workers, worker_cpus=self.worker_cpus,
-                  worker_timeout_s=self.worker_timeout_s)
+                  worker_timeout_s=self.worker_timeout_s, harness_timeout_s=self.harness_timeout_s)
+        if not 0 <= self.endpoint_port <= 65535:
+            raise ConfigError("endpoint_port", f"must be a port number in 0..65535, got {self.endpoint_port}")
         if self.top_p > 1:
             raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.max_staleness < 0:

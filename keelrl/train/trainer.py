@@ -54,6 +54,7 @@ from keelrl.rollout.build import build_engine
 from keelrl.rollout.engines import RolloutEngine, StepRollouts
 from keelrl.rollout.scheduler import GroupRequest
 from keelrl.rollout.trajectory import collate
+from keelrl.serve.sessions import UNFINISHED
 from keelrl.runs import (ALARMS, CONFIG, atomic_write_text, clear_outputs, forget_checkpoints, read_metrics,
                          truncate_jsonl)
 from keelrl.sinks import check_sinks
@@ -69,6 +70,9 @@ from keelrl.train.outputs import RunOutputs, episode_metrics, memory_metrics
 from keelrl.train.prm import ProcessRewardModel
 from keelrl.train.requests import RequestStream
 from keelrl.train.warm_start import warm_start
+
+UNGRADED = ("env_error", UNFINISHED)
+"""Terminations of episodes without a grade (reward NaN): their groups are left out of the update."""
 
 
 def resolve_precision(cfg: KeelConfig, model: Any, device: torch.device) -> dict[str, Any]:
@@ -287,9 +291,9 @@ class Trainer:
         Rollouts `sampled_by_teacher` (`teacher_rollouts`) get no RL term (advantages 0, old
         log-probs the student's own): the distillation loss alone."""
         started = time.monotonic() if started is None else started
-        # 1. rollouts: a group with an episode whose environment failed (ungraded, reward NaN) has
-        # no baseline, so it is left out whole, and counted.
-        failed_groups = {t.group_id for t in rollouts.trajectories if t.termination == "env_error"}
+        # 1. rollouts: a group with an episode whose environment failed, or that a harness left
+        # unfinished (ungraded, reward NaN), has no baseline, so it is left out whole, and counted.
+        failed_groups = {t.group_id for t in rollouts.trajectories if t.termination in UNGRADED}
         trajectories = [t for t in rollouts.trajectories if t.group_id not in failed_groups]
         row: dict[str, Any] = {**rollouts.metrics,
                                "train/env_error_frac": sum(t.termination == "env_error" for t in rollouts.trajectories)

@@ -1,0 +1,181 @@
+"""The decode loop behind the endpoint: one thread owns the decoder; calls from any thread queue on it.
+
+Every chat call becomes a `Job` (its context tokens, its sampling settings, its uniforms, its
+session's kept keys and values). The loop thread submits jobs to keelrl's streaming decoder
+(`KeelDecoder.submit` / `step`) as they arrive, so concurrent sessions decode together
+(continuous batching) and a session's next turn runs only its new tokens where its kept keys
+and values cover the context's start. A decoder that cannot stream (`hf`) runs each waiting
+batch with `generate`.
+
+One stream samples with one `SamplingConfig`: jobs with other settings wait until the stream
+drains, then the oldest waiting job's settings start the next stream. New weights (`offer`) are
+loaded only when nothing is decoding: while they wait, no job is admitted, so the batch drains
+within one action and no completion mixes two versions. Each completion carries the version
+of the weights that sampled it.
+
+A job's `done` callback runs on the loop thread as soon as its completion is sampled, before
+any HTTP reply is written: what was sampled is recorded even when the caller has gone away.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from torch import Tensor
+
+from keelrl.policy.decoders import build_decoder
+from keelrl.policy.sampling import Sample, SamplingConfig
+
+
+@dataclass(eq=False)
+class Job:
+    """One completion to sample."""
+
+    context: list[int]
+    cfg: SamplingConfig
+    uniforms: Tensor
+    """[max_new_tokens] uniforms from the session's own generator."""
+    done: Callable[[Sample, int], None]
+    """Called on the loop thread with the sample and the weights' version that made it."""
+    failed: Callable[[BaseException], None]
+    cache: Any = None
+    queued: float = field(default_factory=time.monotonic)
+
+
+class DecodeLoop:
+    """The loop thread and its queue (see the module docstring)."""
+
+    def __init__(self, model: Any, tokenizer: Any, sampling: SamplingConfig, version: int = 0) -> None:
+        self.model = model
+        self.decoder = build_decoder(sampling.decoder, model, tokenizer, dtype=sampling.dtype,
+                                     max_batch=sampling.max_batch, kv_budget_mb=sampling.kv_budget_mb)
+        self.streaming = hasattr(self.decoder, "submit")
+        self.version = version
+        self._cv = threading.Condition()
+        self._waiting: deque[Job] = deque()
+        self._tickets: dict[int, Job] = {}
+        self._weights: tuple[dict[str, Any], int] | None = None
+        self._stop = False
+        self.error: BaseException | None = None
+        self.stats = {"jobs": 0, "steps": 0, "busy_s": 0.0, "weight_loads": 0, "completion_tokens": 0}
+        self._thread = threading.Thread(target=self._run, name="keel-endpoint-decode", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ from any thread
+    def submit(self, job: Job) -> None:
+        with self._cv:
+            if self.error is not None:
+                raise RuntimeError("the endpoint's decode loop failed") from self.error
+            if self._stop:
+                raise RuntimeError("the endpoint's decode loop is closed")
+            self._waiting.append(job)
+            self._cv.notify_all()
+
+    def offer(self, state: dict[str, Any], version: int) -> None:
+        """New weights, loaded once nothing is decoding; later offers replace earlier ones."""
+        with self._cv:
+            self._weights = (state, version)
+            self._cv.notify_all()
+
+    def wait_version(self, version: int, timeout: float) -> bool:
+        """Block until weights of at least `version` are loaded (True) or `timeout` passes."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self.version < version and self.error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(timeout=left)
+        return self.version >= version
+
+    @property
+    def pending_weights(self) -> bool:
+        return self._weights is not None
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------------ the loop thread
+    def _in_flight(self) -> int:
+        return self.decoder.in_flight if self.streaming else 0
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not self._stop and not self._waiting and not self._tickets and self._weights is None:
+                        self._cv.wait(timeout=0.5)
+                    if self._stop:
+                        break
+                    if self._weights is not None and not self._in_flight():
+                        state, version = self._weights
+                        self._weights = None
+                        self.decoder.load_weights(state)
+                        self.version = version
+                        self.stats["weight_loads"] += 1
+                        self._cv.notify_all()
+                    batch = self._admit()
+                tick = time.monotonic()
+                if self.streaming:
+                    if batch:
+                        tickets = self.decoder.submit([job.context for job in batch], batch[0].cfg,
+                                                      _stack([job.uniforms for job in batch]),
+                                                      caches=[job.cache for job in batch])
+                        self._tickets.update(zip(tickets, batch))
+                    if self._tickets:
+                        finished = self.decoder.step()
+                        self.stats["steps"] += 1
+                        for ticket, sample in finished:
+                            self._finish(self._tickets.pop(ticket), sample)
+                elif batch:
+                    samples = self.decoder.generate([job.context for job in batch], batch[0].cfg,
+                                                    _stack([job.uniforms for job in batch]),
+                                                    caches=[job.cache for job in batch])
+                    for job, sample in zip(batch, samples):
+                        self._finish(job, sample)
+                self.stats["busy_s"] += time.monotonic() - tick
+        except BaseException as error:  # every waiting caller hears of it
+            with self._cv:
+                self.error = error
+                jobs = list(self._waiting) + list(self._tickets.values())
+                self._waiting.clear()
+                self._tickets.clear()
+                self._cv.notify_all()
+            for job in jobs:
+                job.failed(error)
+
+    def _admit(self) -> list[Job]:
+        """The waiting jobs that may join now (under the lock): none while new weights wait; else
+        those sampling with the running stream's settings (any settings, the oldest's, when idle)."""
+        if self._weights is not None or not self._waiting:
+            return []
+        busy = self._in_flight() > 0
+        cfg = next(iter(self._tickets.values())).cfg if busy and self._tickets else self._waiting[0].cfg
+        batch = [job for job in self._waiting if job.cfg == cfg]
+        if not self.streaming:
+            batch = batch[: getattr(self.decoder, "max_batch", 64)]
+        for job in batch:
+            self._waiting.remove(job)
+        return batch
+
+    def _finish(self, job: Job, sample: Sample) -> None:
+        self.stats["jobs"] += 1
+        self.stats["completion_tokens"] += len(sample.token_ids)
+        try:
+            job.done(sample, self.version)
+        except BaseException as error:  # noqa: BLE001 - the caller's recording failed: it hears of it
+            job.failed(error)
+
+
+def _stack(rows: list[Tensor]) -> Tensor:
+    import torch
+
+    width = max(row.shape[0] for row in rows)
+    return torch.stack([torch.nn.functional.pad(row, (0, width - row.shape[0]), value=0.5) for row in rows])
