@@ -267,7 +267,8 @@ class Endpoint:
             reply = self.renderer.reply(sample.token_ids, self.end_ids, offered)
             with session.lock:
                 session.kv = sample.cache
-                call = session.record(rendered, reply, sample.logprobs, version, sample.stopped, observation)
+                call = session.record(rendered, reply, sample.logprobs, version, sample.stopped, observation,
+                                      sample.text)
                 session.last_text, session.stepped = sample.text, session.env is None
             self.counters["continued" if rendered.continues else "new_samples"] += 1
             event_loop.call_soon_threadsafe(_settle, future, (call, reply), None)

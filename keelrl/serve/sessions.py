@@ -86,9 +86,10 @@ class Session:
 
     # ------------------------------------------------------------------ recording
     def record(self, rendered: Rendered, reply: Reply, logprobs: list[float], version: int, finish_reason: str,
-               observation: str) -> CallRecord:
+               observation: str, action_text: str) -> CallRecord:
         """Record one call's completion (see the module docstring); `observation`: the text of the
-        messages that continued the previous sample, for the transcript."""
+        messages that continued the previous sample, for the transcript; `action_text`: the
+        completion's text as the decoder gave it (special tokens kept), the turn's action."""
         self.last_seen = time.monotonic()
         if not rendered.continues or not self.samples:
             sample = Trajectory(task_id=self.task_id or self.id, group_id=self.group_id)
@@ -104,7 +105,7 @@ class Session:
             sample.extend(rendered.new_tokens, action=False, turn=previous_turn)
         turn = len(sample.actions)
         sample.extend(list(reply.token_ids), action=True, turn=turn, logprobs=logprobs)
-        sample.actions.append(reply.text)
+        sample.actions.append(action_text)
         sample.versions.append(version)
         call = CallRecord(sample=len(self.samples) - 1, prompt_ids=list(rendered.token_ids),
                           completion_ids=list(reply.token_ids), logprobs=list(logprobs), version=version,
