@@ -34,6 +34,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "scaling": ("bench.bench_scaling", "Scaling curves"),
     "gpu": ("bench.gpu", "GPU profile"),
     "mismatch": ("bench.bench_mismatch", "Sampler/learner precision mismatch and the rollout corrections"),
+    "endpoint": ("bench.bench_endpoint", "Harness sessions through the endpoint against the in-process loop"),
 }
 """name -> (module, title), in the order they run and are reported."""
 

@@ -249,7 +249,7 @@ class KeelDecoder:
         self._stream_cfg: SamplingConfig | None = None
         self._stream_weights: _Weights | None = None
         self.end_ids = tuple(end_token_ids(tokenizer))
-        self._table = _byte_table(tokenizer)
+        self._table = token_byte_table(tokenizer)
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "evicted": 0, "forward_s": 0.0,
                       "sample_s": 0.0, "busy_slots": 0.0, "decode_only_s": 0.0, "decode_only_tokens": 0,
                       "prefix_hits": 0, "joined_in_flight": 0}
@@ -750,7 +750,7 @@ def _byte_level_alphabet() -> dict[int, str]:
     return alphabet
 
 
-def _byte_table(tokenizer: Any) -> list[bytes] | None:
+def token_byte_table(tokenizer: Any) -> list[bytes] | None:
     """Each token id's bytes, for a byte-level BPE tokenizer whose decode is their concatenation
     (checked on a sample); None otherwise."""
     decoder = {ch: b for b, ch in _byte_level_alphabet().items()}

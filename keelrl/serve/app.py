@@ -120,6 +120,8 @@ class Endpoint:
                          "continued": 0}
         self._lock = threading.Lock()
         self._anonymous = itertools.count()
+        self._byte_table: Any = False
+        """Each token's bytes (keelrl.policy.decode.token_byte_table), made on first use; None: not byte-level."""
         self.app = build_app(self)
         self._server: Any = None
         self._thread: threading.Thread | None = None
@@ -133,7 +135,8 @@ class Endpoint:
             if found is None:
                 digest = int.from_bytes(hashlib.sha256(session_id.encode()).digest()[:7], "big")
                 base = self.config.seed if seed is None else seed
-                found = Session(id=session_id, generator=torch.Generator().manual_seed(base * 1_000_003 + digest))
+                found = Session(id=session_id,
+                                generator=torch.Generator().manual_seed((base * 1_000_003 + digest) % (2**63 - 1)))
                 self.sessions[session_id] = found
             return found
 
@@ -147,10 +150,11 @@ class Endpoint:
         if session.finished:
             raise RequestError(f"session {session_id!r} has already ended", param="session", code="session_ended",
                                status=409)
-        if not isinstance(reward, (int, float)) or isinstance(reward, bool) or not math.isfinite(reward):
-            raise RequestError(f"reward must be a finite number, got {reward!r}", param="reward")
+        number = _finite(reward)
+        if number is None:
+            raise RequestError(f"reward must be a finite number, got {str(reward)[:40]}", param="reward")
         with session.lock:
-            session.finish(float(reward), success=success)
+            session.finish(number, success=success)
         if self.source is not None:
             self.source.ended(session)
 
@@ -218,7 +222,8 @@ class Endpoint:
         options = body.get("stream_options")
         if options is not None and (not isinstance(options, dict) or not stream):
             raise RequestError("stream_options must be an object, and only with stream=true", param="stream_options")
-        if body.get("n", 1) != 1:
+        n = body.get("n", 1)
+        if n is not None and (n != 1 or isinstance(n, bool)):
             raise RequestError("n must be 1", param="n")
         choice = body.get("tool_choice", "auto")
         if choice not in ("auto", "none", None):
@@ -227,8 +232,8 @@ class Endpoint:
         tools = parse_tools(body.get("tools"))
         cfg = self.sampling_for(body)
         seed = body.get("seed")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-            raise RequestError("seed must be an integer", param="seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not -2**63 <= seed < 2**63):
+            raise RequestError("seed must be a 64-bit integer", param="seed")
         user = body.get("user")
         if user is not None and not isinstance(user, str):
             raise RequestError("user must be a string", param="user")
@@ -295,8 +300,8 @@ class Endpoint:
         choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
         if body.get("logprobs"):
             choice["logprobs"] = {"content": [
-                {"token": self.tokenizer.decode([t]), "logprob": lp,
-                 "bytes": list(self.tokenizer.decode([t]).encode("utf-8")), "top_logprobs": []}
+                {"token": self.tokenizer.decode([t]), "logprob": lp, "bytes": list(self._token_bytes(t)),
+                 "top_logprobs": []}
                 for t, lp in zip(call.completion_ids, call.logprobs)]}
         keel: dict[str, Any] = {"session": session.id, "sample": call.sample, "policy_version": call.version,
                                 "continued": call.continued}
@@ -307,6 +312,17 @@ class Endpoint:
                 "usage": {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(call.completion_ids),
                           "total_tokens": len(call.prompt_ids) + len(call.completion_ids)},
                 "keel": keel}
+
+    def _token_bytes(self, token: int) -> bytes:
+        """A token's own bytes (a byte-level tokenizer's table: a token may hold part of a character),
+        else its decoded text's."""
+        if self._byte_table is False:
+            from keelrl.policy.decode import token_byte_table
+
+            self._byte_table = token_byte_table(self.tokenizer)
+        if self._byte_table is not None and token < len(self._byte_table):
+            return self._byte_table[token]
+        return self.tokenizer.decode([token]).encode("utf-8")
 
     # ------------------------------------------------------------------ the server
     def __enter__(self) -> "Endpoint":
@@ -382,10 +398,21 @@ def _number(body: dict[str, Any], name: str, low: float, high: float) -> float |
     value = body.get(name)
     if value is None:
         return None
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) \
-            or not low <= value <= high:
-        raise RequestError(f"{name} must be a number in [{low:g}, {high:g}], got {value!r}", param=name)
-    return float(value)
+    number = _finite(value)
+    if number is None or not low <= number <= high:
+        raise RequestError(f"{name} must be a number in [{low:g}, {high:g}], got {str(value)[:40]}", param=name)
+    return number
+
+
+def _finite(value: Any) -> float | None:
+    """`value` as a finite float, or None when it is not a number or not one a float holds."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def build_app(endpoint: Endpoint) -> Any:
@@ -436,6 +463,11 @@ def build_app(endpoint: Endpoint) -> Any:
             raise RequestError("the request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object")
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError("the request body holds a string that is not valid Unicode (a lone surrogate)") \
+                from None
         return body
 
     @app.get("/health")

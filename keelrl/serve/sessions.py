@@ -15,7 +15,10 @@ the episode ends, its reward (the credit of the whole episode) is carried to eve
 learner counts the episode once in its group's baseline (keelrl.train.advantage).
 
 An episode that ends without a reward (its harness went away, or ended it) is kept, marked
-`unfinished`, with reward NaN: saved with the run's episodes, never trained on.
+`unfinished`, with reward NaN: saved with the run's episodes, never trained on. A call still
+decoding when its episode ends (the harness gave up waiting and sent the reward) is recorded
+among the session's calls, marked `late`, and in no sample: the reward was given for the episode
+without it.
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ class CallRecord:
     finish_reason: str
     continued: bool
     """The prompt continued the previous call's context (no new sample)."""
+    late: bool = False
+    """Sampled after its episode had ended (its reward came while the call was decoding): recorded,
+    but in no sample, since the episode the reward was given for did not include it."""
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -91,6 +97,12 @@ class Session:
         messages that continued the previous sample, for the transcript; `action_text`: the
         completion's text as the decoder gave it (special tokens kept), the turn's action."""
         self.last_seen = time.monotonic()
+        if self.finished:
+            late = CallRecord(sample=-1, prompt_ids=list(rendered.token_ids), completion_ids=list(reply.token_ids),
+                              logprobs=list(logprobs), version=version, finish_reason=finish_reason,
+                              continued=rendered.continues, late=True)
+            self.calls.append(late)
+            return late
         if not rendered.continues or not self.samples:
             sample = Trajectory(task_id=self.task_id or self.id, group_id=self.group_id)
             sample.extend(rendered.token_ids, action=False, turn=0)
@@ -157,5 +169,7 @@ class Session:
         empty = Trajectory(task_id=self.task_id or self.id, group_id=self.group_id)
         empty.episode, empty.sample = self.id, 0
         empty.reward = empty.partial = math.nan
-        empty.termination, empty.error = UNFINISHED, "the harness made no call in this episode"
+        empty.termination = UNFINISHED
+        empty.error = ("no completion of this episode was sampled before it ended" if self.finished
+                       else "the harness made no call in this episode")
         return [empty]

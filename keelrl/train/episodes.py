@@ -86,6 +86,8 @@ def episode_rows(step: int, trajectories: Sequence[Trajectory], used: Sequence[T
         out.append({
             "step": step, "task_id": trajectory.task_id, "kind": (kinds or {}).get(trajectory.task_id, ""),
             "group_id": trajectory.group_id, "reward": _number(trajectory.reward),
+            **({"episode": trajectory.episode, "sample": trajectory.sample, "samples": trajectory.samples}
+               if trajectory.episode else {}),
             "success": trajectory.success, "partial": _number(trajectory.partial),
             "termination": trajectory.termination, "error": trajectory.error, "checks": trajectory.checks,
             "prompt": trajectory.prompt or tokenizer.decode(trajectory.token_ids[:trajectory.prompt_length]),
