@@ -14,7 +14,9 @@ model, weights, dtype, decoder and sampling settings, in this one process, one a
 - in-process: `run_episodes` over the `TurnsEnv` environment;
 - endpoint: an `Endpoint` on 127.0.0.1 and a harness in a separate process (this module with
   --harness) that runs S sessions concurrently, one thread each, with the real `openai` client:
-  each session sends its growing message list (the observation as a tool message) K times.
+  each session sends its growing message list (the observation as a tool message) K times. The
+  endpoint samples on the main thread, as `keel serve` does (--decode-thread: in a thread of its
+  own, what the endpoint engine does while the learner updates).
 
 Throughput is completion tokens over wall-clock seconds: in-process from the call to its
 return; endpoint from the harness's start barrier to its last reply (the harness process's
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import os
 import statistics
 import subprocess
@@ -47,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=160, help="prompt length, about")
     parser.add_argument("--observation-tokens", type=int, default=32, help="observation length, about")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each side, alternating")
+    parser.add_argument("--decode-thread", action="store_true",
+                        help="the endpoint samples in a thread of its own (as in training) instead of on the main "
+                             "thread (as `keel serve` does)")
     parser.add_argument("--harness", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -122,13 +128,20 @@ def through_endpoint(model: Any, tokenizer: Any, prompts: list[str], args: argpa
     spec.write_text(json.dumps({"prompts": prompts, "turns": args.turns, "observation": observation}))
     config = EndpointConfig(tool_format="json", max_context_tokens=8192, sampling=sampling, fixed_sampling=True,
                             seed=seed)
-    with Endpoint(model, tokenizer, config) as endpoint:
-        done = subprocess.run([sys.executable, "-m", "bench.bench_endpoint", "--harness", endpoint.url,
-                               "--spec", str(spec)], cwd=ROOT, capture_output=True, text=True,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
-        if done.returncode != 0:
-            raise RuntimeError(f"the harness failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-        result = json.loads(done.stdout.strip().splitlines()[-1])
+    with Endpoint(model, tokenizer, config, decode_thread=args.decode_thread) as endpoint, \
+            tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        harness = subprocess.Popen([sys.executable, "-m", "bench.bench_endpoint", "--harness", endpoint.url,
+                                    "--spec", str(spec)], cwd=ROOT, stdout=out, stderr=err,
+                                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+        if args.decode_thread:
+            harness.wait()
+        else:  # as `keel serve` does: sample on this (the main) thread
+            endpoint.serve(until=lambda: harness.poll() is not None)
+        if harness.wait() != 0:
+            err.seek(0)
+            raise RuntimeError(f"the harness failed (exit {harness.returncode}):\n{err.read()[-3000:]}")
+        out.seek(0)
+        result = json.loads(out.read().strip().splitlines()[-1])
         sessions = list(endpoint.sessions.values())
         result["samples_per_session"] = sum(len(s.samples) for s in sessions) / max(1, len(sessions))
         result["recorded_tokens"] = sum(len(c.completion_ids) for s in sessions for c in s.calls)
@@ -137,8 +150,6 @@ def through_endpoint(model: Any, tokenizer: Any, prompts: list[str], args: argpa
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    import tempfile
-
     import torch
 
     from bench.bench_trl import prompt_texts
@@ -178,7 +189,10 @@ def summarise(runs: dict[str, Any], args: argparse.Namespace, seconds: float) ->
     lines = [f"{args.sessions} episodes ({args.sessions // 4} prompts of about {args.prompt_tokens} tokens x 4), "
              f"{args.turns} turns, exactly {args.completion_tokens} tokens an action, observations of about "
              f"{args.observation_tokens} tokens; model {args.model}, float32, keel decoder, kept keys and values; "
-             f"{args.repeats} runs a side, alternating.", "",
+             f"{args.repeats} runs a side, alternating; the endpoint samples "
+             + ("in a thread of its own (--decode-thread)" if args.decode_thread else
+                "on the main thread (as `keel serve` does, and the endpoint engine while the learner waits)")
+             + ".", "",
              "| side | seconds | completion tok/s | calls | prefill tokens | samples / session | other CPU share |",
              "|---|---|---|---|---|---|---|"]
     for side, rows in runs.items():
@@ -190,7 +204,8 @@ def summarise(runs: dict[str, Any], args: argparse.Namespace, seconds: float) ->
     return Section(name="endpoint", title="Harness sessions through the endpoint against the in-process loop",
                    markdown="\n".join(lines), smoke=args.smoke, seconds=seconds, data={"runs": runs},
                    ratios=[Ratio(f"{args.sessions} harness sessions through the endpoint / in-process loop, "
-                                 "completion tokens/s", ratio, 0.8)])
+                                 "completion tokens/s" + (", sampling in its own thread" if args.decode_thread else ""),
+                                 ratio, 0.8)])
 
 
 def main(argv: list[str] | None = None) -> None:

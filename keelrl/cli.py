@@ -454,12 +454,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         seed=cfg.seed)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    with Endpoint(model, tokenizer, config) as endpoint:
+    with Endpoint(model, tokenizer, config, decode_thread=False) as endpoint:
         print(f"keel: serving {cfg.model.path} as {args.name!r} on {endpoint.url}/v1 (Ctrl-C stops)", file=sys.stderr,
               flush=True)
         try:
-            while not stop.wait(0.5):
-                pass
+            endpoint.serve(until=stop.is_set)
         except KeyboardInterrupt:
             pass
         if args.record:

@@ -272,3 +272,48 @@ def test_only_an_outcome_estimator_may_credit_an_episode_split_into_samples(esti
         episode_advantages(token_rewards, mask, rewards, groups, episode_ids, algo)
     message = str(info.value)
     assert estimator in message and all(name in message for name in outcome), message
+
+
+def test_keel_serve_answers_the_openai_client_and_records_every_call_on_exit(tiny_model_dir, tmp_path):
+    """The `keel serve` console script: binds 127.0.0.1 on a free port, refuses a call without its
+    key, answers one with it, and on SIGTERM writes every call's tokens to --record."""
+    import re
+    import signal
+
+    from openai import AuthenticationError, OpenAI
+
+    record = tmp_path / "calls.jsonl"
+    exe = Path(sys.executable).parent / "keel"
+    server = subprocess.Popen([str(exe), "serve", f"model.path={tiny_model_dir}", "--port", "0", "--api-key", "k",
+                               "--max-tokens", "8", "--record", str(record)], cwd=REPO, stderr=subprocess.PIPE,
+                              text=True)
+    try:
+        line = server.stderr.readline()
+        found = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line)
+        assert found, line
+        url = found.group(1)
+        with pytest.raises(AuthenticationError):
+            OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).chat.completions.create(
+                model="keel-policy", messages=[{"role": "user", "content": "hi"}])
+        reply = OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0).chat.completions.create(
+            model="keel-policy", messages=[{"role": "user", "content": "hi"}], user="cli-session",
+            extra_body={"return_token_ids": True})
+        assert 1 <= reply.usage.completion_tokens <= 8
+    finally:
+        server.send_signal(signal.SIGTERM)
+        rest = server.communicate(timeout=60)[1]
+    assert server.returncode == 0, rest
+    [row] = [json.loads(line) for line in record.read_text().splitlines()]
+    assert row["session"] == "cli-session"
+    assert row["completion_ids"] == reply.model_extra["keel"]["completion_token_ids"]
+    assert row["prompt_ids"] == reply.model_extra["keel"]["prompt_token_ids"]
+    assert len(row["logprobs"]) == len(row["completion_ids"]) and row["version"] == 0
+
+
+def test_the_verifiers_example_refuses_a_python_without_verifiers_at_once():
+    """examples/verifiers_harness/train.py needs verifiers in its own venv; given a python without it
+    (this one), it stops before any work, saying so."""
+    done = subprocess.run([sys.executable, str(REPO / "examples" / "verifiers_harness" / "train.py"),
+                           "--verifiers-python", sys.executable], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode != 0
+    assert "cannot import verifiers.v1" in done.stderr

@@ -251,11 +251,29 @@ class EndpointEngine(RolloutEngine):
             self._cv.notify_all()
 
     def _wait(self, requests: list[GroupRequest]) -> list[GroupResult]:
+        """The groups of `requests`, sampling on this (the learner's) thread while it waits (the
+        loop's own thread samples while the learner updates: keelrl.serve.service)."""
         wanted = [r.index for r in requests]
+        failure: list[BaseException] = []
+        checked = [0.0]
+
+        def ready() -> bool:
+            with self._cv:
+                if all(index in self._results for index in wanted):
+                    return True
+                if time.monotonic() - checked[0] >= 0.25:
+                    checked[0] = time.monotonic()
+                    try:
+                        self._check_harness(wanted)
+                    except BaseException as error:  # noqa: BLE001 - raised below, outside the loop
+                        failure.append(error)
+                        return True
+            return False
+
+        self.endpoint.loop.run(until=ready)
+        if failure:
+            raise failure[0]
         with self._cv:
-            while not all(index in self._results for index in wanted):
-                self._check_harness(wanted)
-                self._cv.wait(timeout=0.25)
             return [self._results.pop(index) for index in wanted]
 
     def _check_harness(self, wanted: list[int]) -> None:

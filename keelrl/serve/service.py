@@ -7,6 +7,12 @@ session's kept keys and values). The loop thread submits jobs to keelrl's stream
 and values cover the context's start. A decoder that cannot stream (`hf`) runs each waiting
 batch with `generate`.
 
+Which thread samples. torch's parallel kernels ran about 1.5x slower on a second thread than on
+the main thread on the 2-core CPUs measured (bench/bench_endpoint.py --decode-thread), so the
+loop can be driven from outside: `run(until)` samples in the calling thread (`keel serve` on its
+main thread; the endpoint engine while the learner waits for a step's episodes), and the loop's
+own thread, when it has one, samples only while no caller drives.
+
 One stream samples with one `SamplingConfig`: jobs with other settings wait until the stream
 drains, then the oldest waiting job's settings start the next stream. New weights (`offer`) are
 loaded only when nothing is decoding: while they wait, no job is admitted, so the batch drains
@@ -49,7 +55,11 @@ class Job:
 class DecodeLoop:
     """The loop thread and its queue (see the module docstring)."""
 
-    def __init__(self, model: Any, tokenizer: Any, sampling: SamplingConfig, version: int = 0) -> None:
+    def __init__(self, model: Any, tokenizer: Any, sampling: SamplingConfig, version: int = 0,
+                 thread: bool = True) -> None:
+        """`thread`: run the loop in a thread of its own; False: the owner runs it (`run`), e.g. on the
+        main thread, where torch's parallel kernels ran faster than on a second thread on 2-core CPUs
+        (docs/bring-your-harness.md#what-it-costs)."""
         self.model = model
         self.decoder = build_decoder(sampling.decoder, model, tokenizer, dtype=sampling.dtype,
                                      max_batch=sampling.max_batch, kv_budget_mb=sampling.kv_budget_mb)
@@ -62,8 +72,14 @@ class DecodeLoop:
         self._stop = False
         self.error: BaseException | None = None
         self.stats = {"jobs": 0, "steps": 0, "busy_s": 0.0, "weight_loads": 0, "completion_tokens": 0}
-        self._thread = threading.Thread(target=self._run, name="keel-endpoint-decode", daemon=True)
-        self._thread.start()
+        self._driver = threading.Lock()
+        """Held by the thread running the loop: the loop's own thread, or a caller of `run`."""
+        self._handover = threading.Event()
+        """A caller of `run` wants to drive: the loop's own thread yields after its current step."""
+        self._thread: threading.Thread | None = None
+        if thread:
+            self._thread = threading.Thread(target=self._background, name="keel-endpoint-decode", daemon=True)
+            self._thread.start()
 
     # ------------------------------------------------------------------ from any thread
     def submit(self, job: Job) -> None:
@@ -96,23 +112,50 @@ class DecodeLoop:
     def pending_weights(self) -> bool:
         return self._weights is not None
 
+    def run(self, until: Callable[[], bool]) -> None:
+        """Run the loop in the calling thread until `until()` is true (checked after every decode step,
+        and at least every 50 ms) or the loop is closed; the loop's own thread, if it has one, waits
+        meanwhile (after its current step). Raises what the loop raised."""
+        self._handover.set()
+        try:
+            with self._driver:
+                self._run(until)
+        finally:
+            self._handover.clear()
+            with self._cv:
+                self._cv.notify_all()
+        if self.error is not None:
+            raise RuntimeError("the endpoint's decode loop failed") from self.error
+
+    def _background(self) -> None:
+        while not self._stop and self.error is None:
+            if self._handover.is_set():
+                with self._cv:
+                    self._cv.wait(timeout=0.05)
+                continue
+            with self._driver:
+                self._run(until=self._handover.is_set)
+
     def close(self) -> None:
         with self._cv:
             self._stop = True
             self._cv.notify_all()
-        self._thread.join(timeout=30)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
 
     # ------------------------------------------------------------------ the loop thread
     def _in_flight(self) -> int:
         return self.decoder.in_flight if self.streaming else 0
 
-    def _run(self) -> None:
+    def _run(self, until: Callable[[], bool] = lambda: False) -> None:
         try:
             while True:
                 with self._cv:
                     while not self._stop and not self._waiting and not self._tickets and self._weights is None:
-                        self._cv.wait(timeout=0.5)
-                    if self._stop:
+                        if until():
+                            return
+                        self._cv.wait(timeout=0.05)
+                    if self._stop or until():
                         break
                     if self._weights is not None and not self._in_flight():
                         state, version = self._weights
