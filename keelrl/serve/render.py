@@ -105,7 +105,7 @@ def parse_messages(messages: Any) -> list[Message]:
             if not isinstance(name, str) or not name:
                 raise RequestError(f"{where}.tool_calls[{j}].function.name must be a non-empty string",
                                    param=f"{where}.tool_calls")
-            arguments = function.get("arguments", "{}")
+            arguments = function.get("arguments", "{}")  # type: ignore[union-attr]  # a dict: checked above
             try:
                 parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
             except (ValueError, RecursionError):

@@ -64,6 +64,8 @@ class DecodeLoop:
         self.decoder = build_decoder(sampling.decoder, model, tokenizer, dtype=sampling.dtype,
                                      max_batch=sampling.max_batch, kv_budget_mb=sampling.kv_budget_mb)
         self.streaming = hasattr(self.decoder, "submit")
+        self._stream: Any = self.decoder
+        """The decoder as a stream (submit, step, in_flight), where `streaming`."""
         self.version = version
         self._cv = threading.Condition()
         self._waiting: deque[Job] = deque()
@@ -145,7 +147,7 @@ class DecodeLoop:
 
     # ------------------------------------------------------------------ the loop thread
     def _in_flight(self) -> int:
-        return self.decoder.in_flight if self.streaming else 0
+        return self._stream.in_flight if self.streaming else 0
 
     def _run(self, until: Callable[[], bool] = lambda: False) -> None:
         try:
@@ -168,12 +170,12 @@ class DecodeLoop:
                 tick = time.monotonic()
                 if self.streaming:
                     if batch:
-                        tickets = self.decoder.submit([job.context for job in batch], batch[0].cfg,
+                        tickets = self._stream.submit([job.context for job in batch], batch[0].cfg,
                                                       _stack([job.uniforms for job in batch]),
                                                       caches=[job.cache for job in batch])
                         self._tickets.update(zip(tickets, batch))
                     if self._tickets:
-                        finished = self.decoder.step()
+                        finished = self._stream.step()
                         self.stats["steps"] += 1
                         for ticket, sample in finished:
                             self._finish(self._tickets.pop(ticket), sample)

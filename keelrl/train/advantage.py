@@ -115,9 +115,9 @@ def episode_advantages(token_rewards: Tensor, mask: Tensor, rewards: Tensor, gro
     its group's baseline as one episode, not k. ValueError for an estimator whose advantage varies
     within an episode (per turn, or from a critic): a split episode has no single run of turns."""
     if "outcome" not in ADVANTAGES.entry(algo.advantage).tags:
-        outcome = [name for name in ADVANTAGES.names() if "outcome" in ADVANTAGES.entry(name).tags]
+        estimators = [name for name in ADVANTAGES.names() if "outcome" in ADVANTAGES.entry(name).tags]
         raise ValueError(f"algo.advantage={algo.advantage} cannot credit an episode split into several samples "
-                         f"(a harness rewrote its history); use an outcome estimator: {', '.join(outcome)}")
+                         f"(a harness rewrote its history); use an outcome estimator: {', '.join(estimators)}")
     has_action = mask.any(dim=1)
     extra = trajectory_scores(token_rewards, mask) - torch.where(has_action, rewards.to(token_rewards.dtype), 0.0)
     episodes, row_episode = torch.unique(episode_ids.to(mask.device), return_inverse=True)
