@@ -172,7 +172,7 @@ def collate(trajectories: Sequence[Trajectory], pad_id: int) -> Batch:
     episodes = None
     if any(t.samples > 1 for t in trajectories):
         names: dict[str, int] = {}
-        episodes = torch.tensor([names.setdefault(t.episode or f"row-{row}", len(names))
+        episodes = torch.tensor([names.setdefault(t.episode or f"\x00row-{row}", len(names))
                                  for row, t in enumerate(trajectories)], dtype=torch.long)
     return Batch(input_ids, attention, action, behaviour, turns, rewards, groups, observation, labels, step_rewards,
                  cut, episodes)

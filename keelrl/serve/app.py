@@ -87,9 +87,12 @@ class EndpointConfig:
 class EpisodeSource(Protocol):
     """What hands out episodes whose tools keelrl runs (a training run's engine: keelrl.serve.engine)."""
 
-    def take(self, timeout: float) -> Session | None:
-        """The next episode's session (created and reset), None when none is ready within `timeout`;
-        raises RequestError 410 once the run needs no more."""
+    def claim(self) -> Any:
+        """The next episode's ticket, or None when none may be handed out now; never blocks (the route
+        polls). Raises RequestError 410 once the run needs no more."""
+
+    def open(self, ticket: Any) -> Session:
+        """The claimed episode's session, its environment made and reset."""
 
     def describe(self, session: Session) -> dict[str, Any]:
         """The episode's task, first messages and tools, as POST /keel/v1/episodes returns them."""
@@ -149,28 +152,27 @@ class Endpoint:
     def set_reward(self, session_id: str, reward: float, success: bool | None = None) -> None:
         """End an episode with `reward` (the Python side of POST /keel/v1/sessions/{id}/reward)."""
         session = self._existing(session_id)
-        if session.finished:
-            raise RequestError(f"session {session_id!r} has already ended", param="session", code="session_ended",
-                               status=409)
         number = _finite(reward)
         if number is None:
             raise RequestError(f"reward must be a finite number, got {str(reward)[:40]}", param="reward")
         with session.lock:
-            session.finish(number, success=success)
+            first = session.finish(number, success=success)
+        if not first:
+            raise RequestError(f"session {session_id!r} has already ended", param="session", code="session_ended",
+                               status=409)
         if self.source is not None:
             self.source.ended(session)
 
     def end(self, session_id: str) -> Session:
         """End an episode without a reward: `reward_fn` gives it one, else it is kept unfinished."""
         session = self._existing(session_id)
-        if not session.finished:
-            with session.lock:
-                if self.reward_fn is not None:
-                    session.finish(float(self.reward_fn(session)))
-                else:
-                    session.abandon("the harness ended the episode without a reward")
-            if self.source is not None:
-                self.source.ended(session)
+        with session.lock:
+            if self.reward_fn is not None and not session.finished:
+                first = session.finish(float(self.reward_fn(session)))
+            else:
+                first = session.abandon("the harness ended the episode without a reward")
+        if first and self.source is not None:
+            self.source.ended(session)
         return session
 
     def _existing(self, session_id: str) -> Session:
@@ -242,15 +244,15 @@ class Endpoint:
         session_id = session_id or user or f"call-{next(self._anonymous)}"
         session = self.session(session_id, seed)
         session.last_seen = time.monotonic()
-        if session.finished:
-            raise RequestError(f"session {session_id!r} has ended; use a new session id", param="session",
-                               code="session_ended", status=409)
-        if session.env is not None and not session.stepped:
-            raise RequestError(f"session {session_id!r}: step the environment with the latest completion "
-                               f"(POST /keel/v1/episodes/{session_id}/step) before the next call",
-                               param="messages", code="step_first", status=409)
         lock = _session_lock(session)
-        async with lock:
+        async with lock:  # one call of a session at a time; checked once it is this call's turn
+            if session.finished:
+                raise RequestError(f"session {session_id!r} has ended; use a new session id", param="session",
+                                   code="session_ended", status=409)
+            if session.env is not None and not session.stepped:
+                raise RequestError(f"session {session_id!r}: step the environment with the latest completion "
+                                   f"(POST /keel/v1/episodes/{session_id}/step) before the next call",
+                                   param="messages", code="step_first", status=409)
             return await self._complete(session, messages, tools, cfg, choice, body)
 
     async def _complete(self, session: Session, messages: list[Message], tools: list[dict[str, Any]],
@@ -263,7 +265,7 @@ class Endpoint:
             why = (f"This model's maximum context length is {self.config.max_context_tokens} tokens; the messages "
                    f"have {len(rendered.token_ids)} and max_tokens is {cfg.max_new_tokens}")
             if self.source is not None and session.env is not None:
-                self.source.cut(session, why)
+                await asyncio.to_thread(self.source.cut, session, why)
             raise RequestError(why, param="messages", code="context_length_exceeded")
         at = max((i for i, m in enumerate(messages) if m.role == "assistant"), default=-1)
         observation = "\n\n".join(m.content for m in messages[at + 1:])
@@ -273,7 +275,7 @@ class Endpoint:
         def done(sample: Sample, version: int) -> None:
             reply = self.renderer.reply(sample.token_ids, self.end_ids, offered)
             with session.lock:
-                session.kv = sample.cache
+                session.kv = None if session.finished else sample.cache
                 call = session.record(rendered, reply, sample.logprobs, version, sample.stopped, observation,
                                       sample.text)
                 session.last_text, session.stepped = sample.text, session.env is None
@@ -534,9 +536,15 @@ def build_app(endpoint: Endpoint) -> Any:
                                code="no_episodes")
         body = await json_body(request)
         wait = _number(body, "wait_s", 0.0, 600.0)
-        session = await asyncio.to_thread(source.take, 30.0 if wait is None else wait)
-        if session is None:
-            raise RequestError("no episode is ready yet; ask again", status=503, code="retry")
+        deadline = time.monotonic() + (30.0 if wait is None else wait)
+        while True:  # polled on the event loop: a client that gives up while waiting takes no episode
+            ticket = source.claim()
+            if ticket is not None:
+                break
+            if time.monotonic() >= deadline:
+                raise RequestError("no episode is ready yet; ask again", status=503, code="retry")
+            await asyncio.sleep(0.02)
+        session = await asyncio.to_thread(source.open, ticket)
         endpoint.add(session)
         return source.describe(session)
 
@@ -546,11 +554,6 @@ def build_app(endpoint: Endpoint) -> Any:
         if endpoint.source is None or session.env is None:
             raise RequestError(f"session {session_id!r} has no environment to step", status=404,
                                code="no_environment")
-        if session.finished:
-            raise RequestError(f"session {session_id!r} has ended", status=409, code="session_ended")
-        if session.stepped:
-            raise RequestError(f"session {session_id!r} has no completion to step: make a chat call first",
-                               status=409, code="call_first")
         return await asyncio.to_thread(endpoint.source.step, session)
 
     return app

@@ -91,6 +91,11 @@ class EndpointEngine(RolloutEngine):
         self._log: Any = None
         self._last_activity = time.monotonic()
         self._stats = {"episodes": 0, "samples": 0, "unfinished": 0}
+        self._closed = False
+        """Set by close(): from then on harnesses asking for episodes get 410 (before, 503: dynamic
+        sampling may still ask for more groups of the last step)."""
+        self._failure: BaseException | None = None
+        """The verifier failed grading an episode (in an HTTP handler's thread): `batch` raises it."""
         self._counted: dict[str, int] = {}
         """The endpoint's counters at the last batch: each step logs what happened since."""
 
@@ -122,7 +127,7 @@ class EndpointEngine(RolloutEngine):
     def close(self) -> None:
         with self._cv:
             self._tickets.clear()
-            self.last_step = self._submitted_through  # the run is over: harnesses asking for more hear so
+            self._closed = True  # the run is over: harnesses asking for more hear so (410)
             self._cv.notify_all()
         if self._process is not None:
             self._process.terminate()
@@ -137,20 +142,20 @@ class EndpointEngine(RolloutEngine):
         self.endpoint.close()
 
     # ------------------------------------------------------------------ the endpoint's episode source
-    def take(self, timeout: float) -> Session | None:
-        deadline = time.monotonic() + timeout
+    def claim(self) -> Any:
+        """The next ticket the endpoint may hand out now, or None; never blocks (the route polls, so a
+        client that gives up takes no ticket). RequestError 410 once the run is closed."""
         with self._cv:
-            while True:
-                self._last_activity = time.monotonic()
-                if self._tickets and self._tickets[0].request.min_version <= self.endpoint.loop.version:
-                    ticket = self._tickets.popleft()
-                    break
-                if not self._tickets and self.last_step is not None and self._submitted_through >= self.last_step:
-                    raise RequestError("the training run needs no more episodes", status=410, code="run_over")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._cv.wait(timeout=min(left, 0.25))
+            self._last_activity = time.monotonic()
+            if self._closed:
+                raise RequestError("the training run needs no more episodes", status=410, code="run_over")
+            if self._tickets and self._tickets[0].request.min_version <= self.endpoint.loop.version:
+                return self._tickets.popleft()
+            return None
+
+    def open(self, ticket: Any) -> Session:
+        """A claimed ticket's session, its environment made and reset (an environment that fails
+        ends it ungraded, as env_error)."""
         request = ticket.request
         session = Session(id=f"step{ticket.step}-request{request.index}-attempt{ticket.attempt}",
                           generator=episode_generator(request.seed, ticket.attempt),
@@ -169,6 +174,18 @@ class EndpointEngine(RolloutEngine):
             self._env_failed(session, "reset", error)
         return session
 
+    def take(self, timeout: float) -> Session | None:
+        """`claim` then `open`, waiting up to `timeout` for a ticket (for callers in Python)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            ticket = self.claim()
+            if ticket is not None:
+                return self.open(ticket)
+            if time.monotonic() >= deadline:
+                return None
+            with self._cv:
+                self._cv.wait(timeout=0.05)
+
     def describe(self, session: Session) -> dict[str, Any]:
         return {"session_id": session.id, "task_id": session.task_id, "model": self.config.model_name,
                 "messages": [{"role": "user", "content": session.first_observation}],
@@ -176,6 +193,13 @@ class EndpointEngine(RolloutEngine):
 
     def step(self, session: Session) -> dict[str, Any]:
         self._last_activity = time.monotonic()
+        with session.lock:  # one step per completion, even when a client retries
+            if session.finished:
+                raise RequestError(f"session {session.id!r} has ended", status=409, code="session_ended")
+            if session.stepped:
+                raise RequestError(f"session {session.id!r} has no completion to step: make a chat call first",
+                                   status=409, code="call_first")
+            session.stepped = True
         try:
             out = session.env.step(session.last_text)
             if not (isinstance(out, tuple) and len(out) == 3 and isinstance(out[0], str) and isinstance(out[2], dict)):
@@ -217,31 +241,42 @@ class EndpointEngine(RolloutEngine):
             self._cv.notify_all()
 
     def _grade(self, session: Session, termination: str) -> float | None:
+        """Grade and end the episode. A verifier that raises stops the run (the learner's next wait
+        raises it): no reward is made up; the episode is kept unfinished."""
         try:
             grade = session.env.grade()
         except Exception as error:
-            raise RuntimeError(f"the verifier failed grading session {session.id}") from error
+            failure = RuntimeError(f"the verifier failed grading session {session.id}: {type(error).__name__}: "
+                                   f"{error}")
+            failure.__cause__ = error
+            with self._cv:
+                self._failure = self._failure or failure
+            self._abandon(session, str(failure))
+            raise failure from error
         with session.lock:
-            session.finish(grade.reward, success=grade.success, partial=grade.partial, termination=termination,
-                           checks=[{"name": c.name, "passed": c.passed, "detail": c.detail} for c in grade.checks])
-        self.ended(session)
+            first = session.finish(grade.reward, success=grade.success, partial=grade.partial,
+                                   termination=termination,
+                                   checks=[{"name": c.name, "passed": c.passed, "detail": c.detail}
+                                           for c in grade.checks])
+        if first:
+            self.ended(session)
         return grade.reward
 
     def _env_failed(self, session: Session, kind: str, error: Exception) -> None:
         frame = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
         where = f" (at {frame.filename}:{frame.lineno} in {frame.name})" if frame else ""
         with session.lock:
-            session.finish(math.nan, success=False, partial=math.nan, termination="env_error",
-                           error=f"env.{kind} raised {type(error).__name__}: {error}{where}")
-        self.ended(session)
+            first = session.finish(math.nan, success=False, partial=math.nan, termination="env_error",
+                                   error=f"env.{kind} raised {type(error).__name__}: {error}{where}")
+        if first:
+            self.ended(session)
 
     def _abandon(self, session: Session, why: str) -> None:
-        if session.finished:
-            return
         with session.lock:
-            session.abandon(why)
-        self._stats["unfinished"] += 1
-        self.ended(session)
+            first = session.abandon(why)
+        if first:
+            self._stats["unfinished"] += 1
+            self.ended(session)
 
     # ------------------------------------------------------------------ the learner's side
     def _queue(self, step: int, requests: list[GroupRequest]) -> None:
@@ -282,6 +317,8 @@ class EndpointEngine(RolloutEngine):
         when the harness command exited or nothing at all happened for harness_timeout_s."""
         if self.endpoint.loop.error is not None:
             raise RuntimeError("the endpoint's decode loop failed") from self.endpoint.loop.error
+        if self._failure is not None:
+            raise self._failure
         now = time.monotonic()
         stale = [s for s in self._open.values() if now - s.last_seen > self.harness_timeout_s]
         self._abandon_all(stale, f"no call in this episode for {self.harness_timeout_s:g} s "

@@ -249,6 +249,8 @@ class Renderer:
         if last is None or at is None or not same_message(messages[at], last.message):
             return self.prompt(messages, tools, replies)
         marked = self.text(messages, tools, replies, marker_at=at)
+        if marked.count(_MARK.format(at)) != 1:  # a template that drops or escapes the reply's content
+            return self.prompt(messages, tools, replies)
         before, after = marked.split(_MARK.format(at), 1)
         if before != previous_text:
             return self.prompt(messages, tools, replies)

@@ -150,8 +150,10 @@ class DecodeLoop:
         return self._stream.in_flight if self.streaming else 0
 
     def _run(self, until: Callable[[], bool] = lambda: False) -> None:
+        batch: list[Job] = []
         try:
             while True:
+                batch = []
                 with self._cv:
                     while not self._stop and not self._waiting and not self._tickets and self._weights is None:
                         if until():
@@ -186,15 +188,20 @@ class DecodeLoop:
                     for job, sample in zip(batch, samples):
                         self._finish(job, sample)
                 self.stats["busy_s"] += time.monotonic() - tick
-        except BaseException as error:  # every waiting caller hears of it
+        except BaseException as error:  # every waiting caller hears of it, those of the failed batch too
+            interrupted = isinstance(error, (KeyboardInterrupt, SystemExit))
             with self._cv:
-                self.error = error
-                jobs = list(self._waiting) + list(self._tickets.values())
+                if not interrupted:
+                    self.error = error
+                jobs = [job for job in batch if job not in self._tickets.values()]
+                jobs += list(self._waiting) + list(self._tickets.values())
                 self._waiting.clear()
                 self._tickets.clear()
                 self._cv.notify_all()
             for job in jobs:
                 job.failed(error)
+            if interrupted:  # Ctrl-C reaches the caller as itself
+                raise
 
     def _admit(self) -> list[Job]:
         """The waiting jobs that may join now (under the lock): none while new weights wait; else

@@ -130,6 +130,8 @@ class Session:
 
     def observe(self, observation: str, info: dict[str, Any]) -> None:
         """The environment's answer to the latest completion (an episode whose tools keelrl runs)."""
+        if self.finished:
+            return
         sample = self.samples[-1]
         sample.observations.append(observation)
         sample.turn_info.append({k: v for k, v in info.items() if isinstance(v, (str, int, float, bool))})
@@ -143,8 +145,11 @@ class Session:
         return len(self.calls)
 
     def finish(self, reward: float, *, success: bool | None = None, partial: float | None = None,
-               termination: str = "submitted", checks: list[dict[str, Any]] | None = None, error: str = "") -> None:
-        """End the episode: its reward is carried to every sample."""
+               termination: str = "submitted", checks: list[dict[str, Any]] | None = None, error: str = "") -> bool:
+        """End the episode: its reward is carried to every sample. False (and nothing changes) when it
+        had already ended."""
+        if self.finished:
+            return False
         self.finished = True
         for sample in self.samples:
             sample.reward = float(reward)
@@ -157,10 +162,12 @@ class Session:
         self.kv = None
         if self.env is not None and hasattr(self.env, "close"):
             self.env.close()
+        return True
 
-    def abandon(self, why: str) -> None:
-        """End the episode without a reward: kept, marked unfinished, reward NaN (never trained on)."""
-        self.finish(math.nan, success=False, partial=math.nan, termination=UNFINISHED, error=why)
+    def abandon(self, why: str) -> bool:
+        """End the episode without a reward: kept, marked unfinished, reward NaN (never trained on).
+        False when it had already ended."""
+        return self.finish(math.nan, success=False, partial=math.nan, termination=UNFINISHED, error=why)
 
     def trajectories(self) -> list[Trajectory]:
         """The episode's samples; an episode that made no call yet is one empty sample."""

@@ -109,7 +109,8 @@ def episode_advantages(token_rewards: Tensor, mask: Tensor, rewards: Tensor, gro
     sample's action tokens get its episode's advantage.
 
     `rewards` are the outcome rewards on each row's last action token (an episode's samples all
-    carry its outcome). An episode's score is its outcome, once, plus whatever else its samples'
+    carry its outcome; where a length penalty shaped them, the episode's last sample's counts). An
+    episode's score is its outcome, once, plus whatever else its samples'
     tokens were rewarded (their turns' rewards, a KL penalty); the outcome estimator
     `algo.advantage` runs over one score per episode, so an episode split into k samples weighs in
     its group's baseline as one episode, not k. ValueError for an estimator whose advantage varies
@@ -122,7 +123,10 @@ def episode_advantages(token_rewards: Tensor, mask: Tensor, rewards: Tensor, gro
     extra = trajectory_scores(token_rewards, mask) - torch.where(has_action, rewards.to(token_rewards.dtype), 0.0)
     episodes, row_episode = torch.unique(episode_ids.to(mask.device), return_inverse=True)
     count = len(episodes)
-    outcome = token_rewards.new_zeros(count).scatter_(0, row_episode, rewards.to(token_rewards.dtype))
+    rows = torch.arange(len(row_episode), device=row_episode.device)
+    last_row = torch.full((count,), -1, dtype=torch.long, device=row_episode.device).scatter_reduce(
+        0, row_episode, rows, reduce="amax")  # each episode's last sample: its outcome (shaped by its length)
+    outcome = rewards.to(token_rewards.dtype)[last_row]  # [E]
     scores = outcome + token_rewards.new_zeros(count).index_add_(0, row_episode, extra)  # [E]
     groups = group_ids.new_zeros(count).scatter_(0, row_episode, group_ids)
     one = torch.ones((count, 1), dtype=torch.bool, device=mask.device)

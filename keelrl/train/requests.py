@@ -85,9 +85,12 @@ class RequestStream:
     def dynamic_fill(self, engine: RolloutEngine, step: int, rollouts: StepRollouts) -> StepRollouts:
         """DAPO dynamic sampling over the engine's batch (see keelrl.train.dynamic): groups with
         all-equal rewards are replaced by extra groups the engine runs now."""
-        size = self.cfg.rollout.group_size
-        trajectories = rollouts.trajectories
-        groups = [trajectories[i:i + size] for i in range(0, len(trajectories), size)]
+        groups: list[list[Trajectory]] = []
+        for trajectory in rollouts.trajectories:  # a group's rows are consecutive (an episode may give several)
+            if groups and groups[-1][0].group_id == trajectory.group_id:
+                groups[-1].append(trajectory)
+            else:
+                groups.append([trajectory])
         drawn = [0]
 
         def draw(count: int) -> list[list[Trajectory]]:
