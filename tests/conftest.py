@@ -78,3 +78,12 @@ def policy():
     spec = TinyModelSpec(layers=2, hidden=32, heads=4, kv_heads=2, intermediate=48, max_positions=512, seed=3)
     model = build_tiny_model(spec, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id).double().eval()
     return model, tokenizer
+
+
+def action_runs(trajectory) -> list[list[int]]:
+    """A trajectory's action tokens, one list per turn, in order."""
+    runs: dict[int, list[int]] = {}
+    for token, acting, turn in zip(trajectory.token_ids, trajectory.action_mask, trajectory.turn_ids):
+        if acting:
+            runs.setdefault(turn, []).append(token)
+    return [runs[turn] for turn in sorted(runs)]

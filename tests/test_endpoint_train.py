@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST_RUN, limits
+from conftest import FAST_RUN, action_runs, limits
 
 from keelrl.algos import AlgoConfig
 from keelrl.algos.registries import ADVANTAGES
@@ -166,14 +166,6 @@ class CountingEnv:
 
     def grade(self):
         return Grade(self.turn / 4, (CheckResult("four turns", self.turn >= 4),))
-
-
-def action_runs(trajectory) -> list[list[int]]:
-    runs: dict[int, list[int]] = {}
-    for token, acting, turn in zip(trajectory.token_ids, trajectory.action_mask, trajectory.turn_ids):
-        if acting:
-            runs.setdefault(turn, []).append(token)
-    return [runs[turn] for turn in sorted(runs)]
 
 
 def test_a_compacting_harness_gives_an_episode_several_samples_holding_every_completion_token():

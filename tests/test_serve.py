@@ -36,6 +36,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai import AuthenticationError, BadRequestError, NotFoundError, OpenAI
 
+from conftest import action_runs
 from keelrl.policy.sampling import Sample, SamplingConfig, recompute_logprobs
 from keelrl.policy.tiny import TinyModelSpec, build_tiny_model, build_tiny_tokenizer
 from keelrl.serve import Endpoint, EndpointConfig
@@ -132,15 +133,6 @@ def template_ids(tokenizer, messages: list[dict]) -> list[int]:
 def echoed(message) -> dict:
     """The assistant message as a harness sends it back (the openai object dumped, as the example harness does)."""
     return message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"})
-
-
-def action_runs(trajectory) -> list[list[int]]:
-    """A sample's action tokens, one list per turn, in order."""
-    runs: dict[int, list[int]] = {}
-    for token, acting, turn in zip(trajectory.token_ids, trajectory.action_mask, trajectory.turn_ids):
-        if acting:
-            runs.setdefault(turn, []).append(token)
-    return [runs[turn] for turn in sorted(runs)]
 
 
 def assert_every_completion_in_exactly_one_sample(session) -> None:

@@ -244,8 +244,7 @@ class Endpoint:
         session_id = session_id or user or f"call-{next(self._anonymous)}"
         session = self.session(session_id, seed)
         session.last_seen = time.monotonic()
-        lock = _session_lock(session)
-        async with lock:  # one call of a session at a time; checked once it is this call's turn
+        async with session.call_lock:  # one call of a session at a time; checked once it is this call's turn
             if session.finished:
                 raise RequestError(f"session {session_id!r} has ended; use a new session id", param="session",
                                    code="session_ended", status=409)
@@ -392,14 +391,6 @@ def _settle(future: asyncio.Future, value: Any, error: BaseException | None) -> 
         future.set_exception(error)
     else:
         future.set_result(value)
-
-
-def _session_lock(session: Session) -> asyncio.Lock:
-    lock = getattr(session, "_call_lock", None)
-    if lock is None:
-        lock = asyncio.Lock()
-        session._call_lock = lock  # type: ignore[attr-defined]
-    return lock
 
 
 def _number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:

@@ -90,7 +90,6 @@ class EndpointEngine(RolloutEngine):
         self._process: subprocess.Popen | None = None
         self._log: Any = None
         self._last_activity = time.monotonic()
-        self._stats = {"episodes": 0, "samples": 0, "unfinished": 0}
         self._closed = False
         """Set by close(): from then on harnesses asking for episodes get 410 (before, 503: dynamic
         sampling may still ask for more groups of the last step)."""
@@ -174,18 +173,6 @@ class EndpointEngine(RolloutEngine):
             self._env_failed(session, "reset", error)
         return session
 
-    def take(self, timeout: float) -> Session | None:
-        """`claim` then `open`, waiting up to `timeout` for a ticket (for callers in Python)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            ticket = self.claim()
-            if ticket is not None:
-                return self.open(ticket)
-            if time.monotonic() >= deadline:
-                return None
-            with self._cv:
-                self._cv.wait(timeout=0.05)
-
     def describe(self, session: Session) -> dict[str, Any]:
         return {"session_id": session.id, "task_id": session.task_id, "model": self.config.model_name,
                 "messages": [{"role": "user", "content": session.first_observation}],
@@ -231,8 +218,6 @@ class EndpointEngine(RolloutEngine):
             self._last_activity = time.monotonic()
             if ticket is None:
                 return
-            self._stats["episodes"] += 1
-            self._stats["samples"] += len(session.samples)
             group = self._by_request.get(ticket.request.index, {})
             if len(group) == ticket.request.group_size and all(s.finished for s in group.values()):
                 del self._by_request[ticket.request.index]
@@ -275,7 +260,6 @@ class EndpointEngine(RolloutEngine):
         with session.lock:
             first = session.abandon(why)
         if first:
-            self._stats["unfinished"] += 1
             self.ended(session)
 
     # ------------------------------------------------------------------ the learner's side

@@ -31,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
 from torch import Tensor
 
 from keelrl.policy.decoders import build_decoder
@@ -173,7 +174,7 @@ class DecodeLoop:
                 if self.streaming:
                     if batch:
                         tickets = self._stream.submit([job.context for job in batch], batch[0].cfg,
-                                                      _stack([job.uniforms for job in batch]),
+                                                      torch.stack([job.uniforms for job in batch]),
                                                       caches=[job.cache for job in batch])
                         self._tickets.update(zip(tickets, batch))
                     if self._tickets:
@@ -183,7 +184,7 @@ class DecodeLoop:
                             self._finish(self._tickets.pop(ticket), sample)
                 elif batch:
                     samples = self.decoder.generate([job.context for job in batch], batch[0].cfg,
-                                                    _stack([job.uniforms for job in batch]),
+                                                    torch.stack([job.uniforms for job in batch]),
                                                     caches=[job.cache for job in batch])
                     for job, sample in zip(batch, samples):
                         self._finish(job, sample)
@@ -224,10 +225,3 @@ class DecodeLoop:
             job.done(sample, self.version)
         except BaseException as error:  # noqa: BLE001 - the caller's recording failed: it hears of it
             job.failed(error)
-
-
-def _stack(rows: list[Tensor]) -> Tensor:
-    import torch
-
-    width = max(row.shape[0] for row in rows)
-    return torch.stack([torch.nn.functional.pad(row, (0, width - row.shape[0]), value=0.5) for row in rows])

@@ -23,6 +23,7 @@ without it.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 import time
@@ -89,6 +90,9 @@ class Session:
     last_seen: float = field(default_factory=time.monotonic)
     started: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    """Guards the recording (the decode loop's thread and the HTTP handlers both write it)."""
+    call_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """One chat call of the session at a time (held by the HTTP handler on the event loop)."""
 
     # ------------------------------------------------------------------ recording
     def record(self, rendered: Rendered, reply: Reply, logprobs: list[float], version: int, finish_reason: str,
@@ -97,13 +101,18 @@ class Session:
         messages that continued the previous sample, for the transcript; `action_text`: the
         completion's text as the decoder gave it (special tokens kept), the turn's action."""
         self.last_seen = time.monotonic()
+        starts_sample = not rendered.continues or not self.samples
         if self.finished:
-            late = CallRecord(sample=-1, prompt_ids=list(rendered.token_ids), completion_ids=list(reply.token_ids),
-                              logprobs=list(logprobs), version=version, finish_reason=finish_reason,
-                              continued=rendered.continues, late=True)
-            self.calls.append(late)
-            return late
-        if not rendered.continues or not self.samples:
+            where = -1
+        else:
+            where = len(self.samples) if starts_sample else len(self.samples) - 1
+        call = CallRecord(sample=where, prompt_ids=list(rendered.token_ids), completion_ids=list(reply.token_ids),
+                          logprobs=list(logprobs), version=version, finish_reason=finish_reason,
+                          continued=rendered.continues, late=self.finished)
+        self.calls.append(call)
+        if call.late:
+            return call
+        if starts_sample:
             sample = Trajectory(task_id=self.task_id or self.id, group_id=self.group_id)
             sample.extend(rendered.token_ids, action=False, turn=0)
             sample.prompt_length, sample.prompt = len(rendered.token_ids), rendered.text
@@ -119,10 +128,6 @@ class Session:
         sample.extend(list(reply.token_ids), action=True, turn=turn, logprobs=logprobs)
         sample.actions.append(action_text)
         sample.versions.append(version)
-        call = CallRecord(sample=len(self.samples) - 1, prompt_ids=list(rendered.token_ids),
-                          completion_ids=list(reply.token_ids), logprobs=list(logprobs), version=version,
-                          finish_reason=finish_reason, continued=rendered.continues)
-        self.calls.append(call)
         self.replies.append(reply)
         self.previous_text = rendered.text
         self.previous_context = list(rendered.token_ids) + list(reply.token_ids)
