@@ -101,14 +101,14 @@ def harness(url: str, spec_path: str) -> None:
 
 # --------------------------------------------------------------------------- the two sides
 def in_process(model: Any, tokenizer: Any, prompts: list[str], args: argparse.Namespace, sampling: Any,
-               observation: str, seed: int) -> dict[str, float]:
+               options: Any, observation: str, seed: int) -> dict[str, float]:
     from bench.synthetic import PromptTask, TurnsEnvFactory
     from keelrl.rollout.agent_loop import EpisodeLimits, model_actor, run_episodes
 
     limits = EpisodeLimits(max_turns=args.turns, max_context_tokens=8192, max_new_tokens=args.completion_tokens,
                            env_threads=4, interruptible=True, label_steps=False)
     tasks = [PromptTask(id=f"p{i}", prompt=p) for i, p in enumerate(prompts)]
-    act = model_actor(model, tokenizer, sampling)
+    act = model_actor(model, tokenizer, sampling, options)
     tick = time.perf_counter()
     trajectories = run_episodes(TurnsEnvFactory(args.turns, observation), tasks, tokenizer, act, limits, seed=seed)
     seconds = time.perf_counter() - tick
@@ -121,13 +121,13 @@ def in_process(model: Any, tokenizer: Any, prompts: list[str], args: argparse.Na
 
 
 def through_endpoint(model: Any, tokenizer: Any, prompts: list[str], args: argparse.Namespace, sampling: Any,
-                     observation: str, seed: int, spec_dir: Path) -> dict[str, float]:
+                     options: Any, observation: str, seed: int, spec_dir: Path) -> dict[str, float]:
     from keelrl.serve import Endpoint, EndpointConfig
 
     spec = spec_dir / f"spec-{seed}.json"
     spec.write_text(json.dumps({"prompts": prompts, "turns": args.turns, "observation": observation}))
-    config = EndpointConfig(tool_format="json", max_context_tokens=8192, sampling=sampling, fixed_sampling=True,
-                            seed=seed)
+    config = EndpointConfig(tool_format="json", max_context_tokens=8192, sampling=sampling, decoder=options,
+                            fixed_sampling=True, seed=seed)
     with Endpoint(model, tokenizer, config, decode_thread=args.decode_thread) as endpoint, \
             tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         harness = subprocess.Popen([sys.executable, "-m", "bench.bench_endpoint", "--harness", endpoint.url,
@@ -156,25 +156,25 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from bench.synthetic import observation_text
     from keelrl.policy.download import resolve_model_path
     from keelrl.policy.model import load_policy
-    from keelrl.policy.sampling import SamplingConfig
+    from keelrl.inference import DecoderOptions, SamplingParams
 
     model, tokenizer = load_policy(resolve_model_path(args.model), device="cpu", dtype=torch.float32)
     model.eval().requires_grad_(False)
     distinct = prompt_texts(tokenizer, args.sessions // 4, args.prompt_tokens)
     prompts = [p for p in distinct for _ in range(4)]
     observation = observation_text(tokenizer, args.observation_tokens)
-    sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.completion_tokens,
-                              min_new_tokens=args.completion_tokens, stop=(), keep_kv=True, decoder="keel",
-                              dtype=torch.float32, max_batch=64)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=args.completion_tokens,
+                              min_new_tokens=args.completion_tokens, stop=(), keep_kv=True)
+    options = DecoderOptions(decoder="keel", dtype=torch.float32, max_batch=64)
     runs: dict[str, list[dict[str, Any]]] = {"in_process": [], "endpoint": []}
     with tempfile.TemporaryDirectory() as spec_dir:
         for repeat in range(args.repeats):
             for side in ("in_process", "endpoint") if repeat % 2 == 0 else ("endpoint", "in_process"):
                 clock = Clock()
                 if side == "in_process":
-                    result = in_process(model, tokenizer, prompts, args, sampling, observation, seed=repeat)
+                    result = in_process(model, tokenizer, prompts, args, sampling, options, observation, seed=repeat)
                 else:
-                    result = through_endpoint(model, tokenizer, prompts, args, sampling, observation, repeat,
+                    result = through_endpoint(model, tokenizer, prompts, args, sampling, options, observation, repeat,
                                               Path(spec_dir))
                 result["tokens_per_s"] = result["completion_tokens"] / result["seconds"]
                 result["other_cpu"] = clock.read()["other_cpu_share"]

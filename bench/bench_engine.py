@@ -128,8 +128,7 @@ def flops(config: Any, tokens: int, sampled: int, keys: float) -> float:
 # --------------------------------------------------------------------------- 2. engine throughput
 def engine_rows(model: Any, tokenizer: Any, prompts: list[list[int]], batches: list[int], new: int,
                 gpeak: float, dtype: str = "float32") -> list[dict[str, Any]]:
-    from keelrl.policy.decode import KeelDecoder
-    from keelrl.policy.sampling import SamplingConfig, draw_uniforms
+    from keelrl.inference import KeelDecoder, SamplingParams, draw_uniforms
 
     out = []
     config = model.config
@@ -138,8 +137,8 @@ def engine_rows(model: Any, tokenizer: Any, prompts: list[list[int]], batches: l
         rows = [r + [r[-1]] * (i // len(prompts)) for i, r in enumerate(rows)]  # repeats differ: no shared prompt
         uniforms = draw_uniforms(torch.Generator().manual_seed(0), batch * new).view(batch, new)
         decoder = KeelDecoder(model, tokenizer, max_batch=batch, dtype=DTYPES[dtype])
-        one = SamplingConfig(temperature=0.0, max_new_tokens=1, stop=())
-        full = SamplingConfig(temperature=0.0, max_new_tokens=new, min_new_tokens=new, stop=())
+        one = SamplingParams(temperature=0.0, max_new_tokens=1, stop=())
+        full = SamplingParams(temperature=0.0, max_new_tokens=new, min_new_tokens=new, stop=())
         decoder.generate(rows[:2], one, uniforms[:2])  # warm-up: the weight snapshot
         clock = Clock()
         tick = time.perf_counter()
@@ -177,14 +176,13 @@ def step_breakdown(model: Any, tokenizer: Any, prompts: list[list[int]], batch: 
     own cost lands in other), and the step's wall time unprofiled."""
     from torch.profiler import ProfilerActivity, profile
 
-    from keelrl.policy.decode import KeelDecoder
-    from keelrl.policy.sampling import SamplingConfig, draw_uniforms
+    from keelrl.inference import KeelDecoder, SamplingParams, draw_uniforms
 
     rows = [prompts[i % len(prompts)] + [prompts[i % len(prompts)][-1]] * (i // len(prompts)) for i in range(batch)]
     decoder = KeelDecoder(model, tokenizer, max_batch=batch, dtype=DTYPES[dtype])
     new = 2 * steps + 8 + sum(len(r) for r in rows) // decoder.prefill_tokens  # the first rows decode while others prefill
     uniforms = draw_uniforms(torch.Generator().manual_seed(0), batch * new).view(batch, new)
-    decoder.submit(rows, SamplingConfig(temperature=0.0, max_new_tokens=new, min_new_tokens=new, stop=()), uniforms,
+    decoder.submit(rows, SamplingParams(temperature=0.0, max_new_tokens=new, min_new_tokens=new, stop=()), uniforms,
                    share_prompts=False)
     before = -1.0
     while decoder.stats["prefill_tokens"] != before:  # until a step runs no prompt token
@@ -208,16 +206,17 @@ def step_breakdown(model: Any, tokenizer: Any, prompts: list[list[int]], batch: 
 
 # --------------------------------------------------------------------------- 3. workloads
 def workload(cfg: Any, spec: Any, model: Any, tokenizer: Any, tasks: list[Any], decoder: str, *, group: int,
-             temperature: float, training: bool, dtype: torch.dtype, stream: bool = True) -> dict[str, Any]:
+             temperature: float, training: bool, dtype: torch.dtype, stream: bool = True,
+             vllm_eager: bool = False) -> dict[str, Any]:
+    from keelrl.inference import DecoderOptions, SamplingParams
     from keelrl.rollout.agent_loop import EpisodeLimits, model_actor, run_episodes
-    from keelrl.policy.sampling import SamplingConfig
 
-    sampling = SamplingConfig(temperature=temperature, top_p=1.0, max_new_tokens=cfg.rollout.max_new_tokens,
-                              keep_kv=cfg.rollout.keep_kv, decoder=decoder, dtype=dtype,
-                              kv_budget_mb=cfg.rollout.kv_budget_mb)
+    sampling = SamplingParams(temperature=temperature, top_p=1.0, max_new_tokens=cfg.rollout.max_new_tokens,
+                              keep_kv=cfg.rollout.keep_kv)
+    options = DecoderOptions(decoder=decoder, dtype=dtype, kv_budget_mb=cfg.rollout.kv_budget_mb, eager=vllm_eager)
     make_env = spec.train_env(cfg) if training else spec.eval_env(cfg)
     limits = EpisodeLimits.of(cfg.rollout, cfg.env.max_turns)
-    act = model_actor(model, tokenizer, sampling)
+    act = model_actor(model, tokenizer, sampling, options)
     if not stream:
         act.stream = None  # type: ignore[attr-defined]  # one blocking batch at a time
     episodes = [task for task in tasks for _ in range(group)]
@@ -278,15 +277,14 @@ def llamacpp_row(model_dir: Path, model: Any, tokenizer: Any, prompts: list[list
     """keel in `dtype` against llama.cpp on the same GGUF weights: F32 (F32 KV cache) for float32,
     BF16 (llama.cpp's usual F16 KV cache) for bfloat16."""
     from bench.llamacpp import gguf_of, llamacpp_generate
-    from keelrl.policy.decode import KeelDecoder
-    from keelrl.policy.sampling import SamplingConfig, draw_uniforms
+    from keelrl.inference import KeelDecoder, SamplingParams, draw_uniforms
 
     outtype, kv_type = ("f32", "f32") if dtype == "float32" else ("bf16", "f16")
     gguf = gguf_of(model_dir, outtype)
-    cfg = SamplingConfig(temperature=0.0, max_new_tokens=new, stop=())
+    cfg = SamplingParams(temperature=0.0, max_new_tokens=new, stop=())
     uniforms = draw_uniforms(torch.Generator().manual_seed(0), len(prompts) * new).view(len(prompts), new)
     decoder = KeelDecoder(model, tokenizer, max_batch=batch, dtype=DTYPES[dtype])
-    decoder.generate(prompts[:2], SamplingConfig(temperature=0.0, max_new_tokens=2, stop=()), uniforms[:2])
+    decoder.generate(prompts[:2], SamplingParams(temperature=0.0, max_new_tokens=2, stop=()), uniforms[:2])
     ends = list(decoder.end_ids)
     llamacpp_generate(gguf, prompts[:2], 2, min(batch, 2), threads, end_ids=ends, kv_type=kv_type)  # warm-up
     tick = time.perf_counter()
@@ -312,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
     from keelrl.config import load_config
-    from keelrl.envs.registry import resolve_env
+    from keelrl.envs.registry import resolve_env, settle_env
     from keelrl.policy.download import resolve_model_path
     from keelrl.policy.model import load_policy
     from keelrl.policy.precision import resolve_dtype
@@ -327,6 +325,7 @@ def main(argv: list[str] | None = None) -> None:
     model.eval()
     eval_auto, eval_why = resolve_dtype("auto", "eval", model, torch.device("cpu"))
     spec = resolve_env(cfg)
+    cfg = settle_env(cfg, spec)  # env.max_turns: the environment's own when unset
     train_tasks, heldout = spec.tasks(cfg)
     heldout = list(heldout)[:args.eval_tasks]
     make_env = spec.eval_env(cfg)

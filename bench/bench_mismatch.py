@@ -9,7 +9,7 @@ model, seconds):
 1. prompts: the first `--prompts` held-out bundled coding tasks (`bundled_tasks("heldout")`),
    each its task text and files as one user message in the chat template;
 2. completions: `--samples` per prompt, `--new-tokens` at most, temperature 1, drawn by
-   `keelrl.policy.sampling.sample` from the model cast to bfloat16, and again with the same
+   `keelrl.inference.sample` from the model cast to bfloat16, and again with the same
    seed from the float32 model (the control);
 3. the learner: `keelrl.policy.model.token_logprobs` of each completion under the float32 weights
    (no autocast), on the completion's own tokens;
@@ -98,12 +98,12 @@ def measure(learner: Any, sampler: Any, tokenizer: Any, contexts: list[list[int]
 
     from keelrl.algos import ROLLOUT_CORRECTIONS, AlgoConfig, mismatch_metrics
     from keelrl.policy.model import token_logprobs
-    from keelrl.policy.sampling import SamplingConfig, sample
+    from keelrl.inference import SamplingParams, sample
 
     rows = [context for context in contexts for _ in range(args.samples)]
     clock = Clock()
-    samples = sample(sampler, tokenizer, rows, SamplingConfig(temperature=1.0, max_new_tokens=args.new_tokens,
-                                                              stop=()), generator_seed=args.seed)
+    samples = sample(sampler, tokenizer, rows, SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens,
+                                                              stop=(), seed=args.seed))
     sampled = clock.read()
     batch = {key: value.to(device) for key, value in collate(rows, samples, tokenizer.pad_token_id).items()}
     mask = batch["action_mask"]

@@ -1,7 +1,7 @@
 """keelrl's sampler against plain Hugging Face sampling, in float32 and bfloat16 weights.
 
-keelrl samples actions with `keelrl.policy.sampling.sample`: HF `generate` run greedily over
-the choices of a logits processor (`_InverseCdfSampler`) that draws each row's token from that
+keelrl samples actions with `keelrl.inference.sample` (the HF path): HF `generate` run greedily over
+the choices of a logits processor (`keelrl.inference.sampler.InverseCdfProcessor`) that draws each row's token from that
 row's own uniforms and records its behaviour log-prob. The baseline is plain
 `model.generate(do_sample=True, temperature=T, top_p=1.0, top_k=0)`: HF's own multinomial
 draw, no log-probs recorded. Both continue the same left-padded batch of chat prompts (the
@@ -27,7 +27,7 @@ wall time and tokens/s are over the quiet calls (all calls if none was quiet), t
 given over all reps and over the reps whose two calls were both quiet. `--wait-quiet` waits
 (a bounded time) for a quiet moment before each timed call.
 
-What this does NOT measure: stop strings (`SamplingConfig.stop`; `stop=()` here), ragged
+What this does NOT measure: stop strings (`SamplingParams.stop`; `stop=()` here), ragged
 batches that finish early, or absolute speed worth quoting on a shared machine: only ratios
 between calls that ran side by side.
 
@@ -52,9 +52,10 @@ import torch
 
 from bench.common import NOISY, Clock, Ratio, Section, wait_quiet, write_section
 from keelrl.envs.coding_tasks import bundled_tasks
-from keelrl.policy import sampling
+from keelrl.inference import sampler as sampling
 from keelrl.policy.model import cpu_has_amx_bf16, load_policy
-from keelrl.policy.sampling import SamplingConfig, draw_uniforms, end_token_ids, left_pad, sample
+from keelrl.inference import SamplingParams, draw_uniforms, end_token_ids, sample
+from keelrl.inference.hf import left_pad
 
 ENGINES = ("keelrl", "hf")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -131,11 +132,11 @@ def _render(tokenizer: Any, content: str) -> list[int]:
 
 # --------------------------------------------------------------------------- the engines
 class ProcessorTimer:
-    """Wraps `_InverseCdfSampler.__call__` with a timer for this process (keelrl's code is unchanged)."""
+    """Wraps `InverseCdfProcessor.__call__` with a timer for this process (keelrl's code is unchanged)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        original = sampling._InverseCdfSampler.__call__
+        original = sampling.InverseCdfProcessor.__call__
 
         def timed(processor: Any, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
             start = time.perf_counter()
@@ -143,7 +144,7 @@ class ProcessorTimer:
             self.seconds += time.perf_counter() - start
             return out
 
-        sampling._InverseCdfSampler.__call__ = timed  # type: ignore[method-assign,assignment]
+        sampling.InverseCdfProcessor.__call__ = timed  # type: ignore[method-assign,assignment]
 
 
 def row_tokens(rows: list[list[int]], end_ids: tuple[int, ...]) -> int:
@@ -160,7 +161,7 @@ def keelrl_call(model: Any, tokenizer: Any, contexts: list[list[int]], new_token
     """One `sample` call of exactly `new_tokens` per row; returns the tokens it generated."""
     model.generation_config.min_new_tokens = new_tokens  # `sample` has no such argument; generate reads it here
     uniforms = draw_uniforms(torch.Generator().manual_seed(seed), len(contexts) * new_tokens).view(len(contexts), -1)
-    cfg = SamplingConfig(temperature=temperature, top_p=1.0, max_new_tokens=new_tokens, stop=())
+    cfg = SamplingParams(temperature=temperature, top_p=1.0, max_new_tokens=new_tokens, stop=())
     samples = sample(model, tokenizer, contexts, cfg, uniforms=uniforms)
     return sum(len(s.token_ids) for s in samples)
 
@@ -248,7 +249,7 @@ def multi_turn(args: argparse.Namespace, model: Any, tokenizer: Any) -> dict[str
     """`--turns` turns on GRPO groups: each turn continues every row's whole history (its context,
     its actions, an observation after each), by keelrl's sampler and by HF generate, interleaved
     over `--reps`. HF prefills the whole history anew each turn; keelrl keeps each row's keys and
-    values between turns (`SamplingConfig.keep_kv`) and runs only the new tokens. The tokens
+    values between turns (`SamplingParams.keep_kv`) and runs only the new tokens. The tokens
     each prefills (recomputes) per turn are counted: keelrl's from its own `Sample.recomputed`."""
     batch, group = args.batch[0], max(args.group)
     prompts = [ids for ids in build_prompts(tokenizer, batch // group, args.prompt_tokens) for _ in range(group)]
@@ -286,7 +287,7 @@ def keelrl_turn(model: Any, tokenizer: Any, contexts: list[list[int]], new_token
     """One turn by keelrl's sampler, keeping keys and values: (actions, caches, tokens prefilled)."""
     model.generation_config.min_new_tokens = new_tokens
     uniforms = draw_uniforms(torch.Generator().manual_seed(seed), len(contexts) * new_tokens).view(len(contexts), -1)
-    cfg = SamplingConfig(temperature=temperature, top_p=1.0, max_new_tokens=new_tokens, stop=(), keep_kv=True)
+    cfg = SamplingParams(temperature=temperature, top_p=1.0, max_new_tokens=new_tokens, stop=(), keep_kv=True)
     samples = sample(model, tokenizer, contexts, cfg, uniforms=uniforms, caches=caches)
     return [s.token_ids for s in samples], [s.cache for s in samples], sum(s.recomputed for s in samples)
 

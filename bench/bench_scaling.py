@@ -9,7 +9,7 @@ rollout engine. A step is `--tasks` prompts (bundled held-out tasks as user mess
 each, K turns of exactly L new tokens (no stop strings; end tokens held back until L), every
 turn but the last answered with the same test report of about `--observation-tokens` tokens.
 The engine's scheduler samples each turn's actions from the episodes' whole histories
-(`keelrl.policy.sampling.sample`, in one batch when the environment answers at once); then
+(`keelrl.inference.sample`, in one batch when the environment answers at once); then
 the trainer runs `Trainer.rl_step`. From each step's metrics row:
 
 - step_s: `time/step_s`, the whole step: the engine's rollouts, then `rl_step`;

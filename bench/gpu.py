@@ -10,7 +10,7 @@ fixed. Prompts are chat-shaped token ids from keelrl's byte tokenizer (`<|user|>
 tokens, `<|end|><|assistant|>`; every id is below the model's vocabulary): 8 distinct prompts of
 1024 tokens, 8 rows each (GRPO groups). One RL step is:
 
-1. Sampling: one `keelrl.policy.sampling.sample` call over the 64 rows (temperature 1, top-p 1,
+1. Sampling: one `keelrl.inference.sample` call over the 64 rows (temperature 1, top-p 1,
    no stop strings, per-row uniforms from a seeded generator), exactly 1024 new tokens per row:
    `sample` has no `min_new_tokens`, so it is set on `model.generation_config` (as
    bench/bench_sampler.py does; HF then gives end tokens probability 0 until then). Tokens are
@@ -94,7 +94,7 @@ from keelrl.algos.config import AlgoConfig
 from keelrl.config import OptimConfig, PerfConfig
 from keelrl.policy.model import row_lengths
 from keelrl.policy.prefix import MicroBatch, can_share, micro_logprobs, plan_passes
-from keelrl.policy.sampling import Sample, SamplingConfig, draw_uniforms, sample
+from keelrl.inference import Sample, SamplingParams, draw_uniforms, sample
 from keelrl.policy.tiny import build_tiny_tokenizer
 from keelrl.train.learner import aggregation_weights, enable_gradient_checkpointing, micro_batch_scale
 
@@ -305,7 +305,7 @@ def sample_exactly(model: Any, tokenizer: Any, contexts: Sequence[Sequence[int]]
     """One `sample` call of exactly `new_tokens` per row (temperature 1, no stop strings)."""
     model.generation_config.min_new_tokens = new_tokens  # `sample` takes no min_new_tokens; generate reads it here
     uniforms = draw_uniforms(generator, len(contexts) * new_tokens).view(len(contexts), new_tokens)  # [B, N]
-    cfg = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=new_tokens, stop=())
+    cfg = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=new_tokens, stop=())
     samples = sample(model, tokenizer, contexts, cfg, uniforms=uniforms)
     made = sum(len(s.token_ids) for s in samples)
     if made != len(contexts) * new_tokens:

@@ -156,7 +156,7 @@ def synthetic_trainer(overrides: Sequence[str], texts: Sequence[str], *, observa
                       progress: Callable[[str, dict[str, Any]], None] | None = None) -> Any:
     """A `Trainer` over `texts` with the synthetic workload (see the module docstring)."""
     from keelrl.config import load_config
-    from keelrl.policy.sampling import SamplingConfig
+    from keelrl.inference import SamplingParams
     from keelrl.rollout.scheduler import GroupRequest
     from keelrl.train.trainer import Trainer
 
@@ -177,8 +177,8 @@ def synthetic_trainer(overrides: Sequence[str], texts: Sequence[str], *, observa
             return [GroupRequest(index=first + i, task=PromptTask(f"p{first + i}", texts[(first + i) % len(texts)]),
                                  group_size=group, seed=step * 1009 + i, group_id=i) for i in range(prompts)]
 
-        def rollout_sampling(self) -> SamplingConfig:  # no stop strings, no early end: exactly max_new_tokens
-            return SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens, stop=(),
+        def rollout_sampling(self) -> SamplingParams:  # no stop strings, no early end: exactly max_new_tokens
+            return SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens, stop=(),
                                   min_new_tokens=r.max_new_tokens, keep_kv=r.keep_kv)
 
         def evaluate(self, tasks: Any = None) -> dict[str, float]:

@@ -427,7 +427,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from keelrl.config import load_config
     from keelrl.policy.download import ModelPathError, check_model_path
     from keelrl.policy.model import load_policy
-    from keelrl.policy.sampling import SamplingConfig
+    from keelrl.inference import DecoderOptions, SamplingParams
     from keelrl.serve import Endpoint, EndpointConfig
 
     if args.run:
@@ -447,10 +447,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config = EndpointConfig(
         model_name=args.name, host=args.host, port=args.port, api_key=args.api_key or "", tool_format=args.tool_format,
         max_context_tokens=min(limit, args.max_context or limit),
-        sampling=SamplingConfig(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                max_new_tokens=args.max_tokens, stop=(), keep_kv=True, decoder=cfg.rollout.decoder,
-                                dtype=getattr(torch, cfg.rollout.dtype) if cfg.rollout.dtype != "auto" else None,
-                                kv_budget_mb=cfg.rollout.kv_budget_mb),
+        sampling=SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                max_new_tokens=args.max_tokens, stop=(), keep_kv=True),
+        decoder=DecoderOptions(decoder=cfg.rollout.decoder, kv_budget_mb=cfg.rollout.kv_budget_mb, eager=cfg.rollout.eager,
+                               dtype=getattr(torch, cfg.rollout.dtype) if cfg.rollout.dtype != "auto" else None),
         seed=cfg.seed)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

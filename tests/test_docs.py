@@ -173,7 +173,9 @@ def config_problem(overrides: list[str], path: Path | None) -> str | None:
             remaining.remove(placeholder)
 
 
-def test_every_documented_override_is_valid():
+def test_every_documented_override_is_valid(monkeypatch):
+    # the docs' rollout.decoder=vllm lines are for a venv with vLLM (.ci/vllm builds one): valid there
+    monkeypatch.setattr("keelrl.config._vllm_installed", lambda: True)
     bad, seen = [], 0
     for page in DOCS:
         for unit in code_units(page):

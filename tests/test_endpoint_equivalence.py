@@ -65,7 +65,8 @@ def test_endpoint_episodes_equal_the_in_process_loop_token_for_token(tiny_model_
                                  "rollout.engine=sync", "warm_start.demos=0"])
     trainer = Trainer(cfg)
     parts = dict(model=trainer.model, tokenizer=trainer.tokenizer, make_env=trainer.train_env_factory(),
-                 sampling=trainer.rollout_sampling(), rollout=trainer._limits())
+                 sampling=trainer.rollout_sampling(), decoder_options=trainer.decoder_options(),
+                 rollout=trainer._limits())
     with LocalEngine(trainer.requests_for, asynchronous=False, **parts) as local:
         local.start(0)
         expected = local.batch(1).trajectories

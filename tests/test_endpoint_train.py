@@ -28,7 +28,7 @@ from keelrl.algos import AlgoConfig
 from keelrl.algos.registries import ADVANTAGES
 from keelrl.config import TINY_RUN
 from keelrl.envs.base import CheckResult, Grade
-from keelrl.policy.sampling import SamplingConfig
+from keelrl.inference import DecoderOptions, SamplingParams
 from keelrl.policy.tiny import TinyModelSpec, build_tiny_model, build_tiny_tokenizer
 from keelrl.rollout.scheduler import GroupRequest
 from keelrl.serve.engine import EndpointEngine
@@ -177,8 +177,8 @@ def test_a_compacting_harness_gives_an_episode_several_samples_holding_every_com
         return [GroupRequest(index=(step - 1) * TASKS + i, task=f"t{i}", group_size=GROUP, seed=i) for i in range(TASKS)]
 
     engine = EndpointEngine(requests_for, model=model, tokenizer=tokenizer, make_env=CountingEnv,
-                            sampling=SamplingConfig(stop=("</tool_call>",), keep_kv=True, max_new_tokens=12,
-                                                    decoder="keel"),
+                            sampling=SamplingParams(stop=("</tool_call>",), keep_kv=True, max_new_tokens=12),
+                            decoder_options=DecoderOptions(decoder="keel"),
                             rollout=limits(max_turns=4, max_context_tokens=2048, max_new_tokens=12),
                             max_staleness=0, harness=harness("--concurrency", "4", "--compact", "1"),
                             harness_timeout_s=120)

@@ -18,7 +18,7 @@ from keelrl.config import TINY_RUN, load_config
 from keelrl.envs.base import CheckResult, Grade
 from keelrl.errors import ConfigError
 from keelrl.policy.model import load_policy
-from keelrl.policy.sampling import SamplingConfig
+from keelrl.inference import SamplingParams
 from keelrl.rollout.engines import LocalEngine, staleness_metrics
 from keelrl.rollout.scheduler import GroupRequest
 from keelrl.train.trainer import Trainer
@@ -104,7 +104,7 @@ def test_staleness_never_exceeds_the_bound_and_every_request_arrives_once(seed, 
         model.weight.fill_(0)
     engine = LocalEngine(requests_for, model=model, tokenizer=ByteTokenizer(),
                          make_env=lambda: LatencyEnv(lambda t, k: latencies[(t, k)], lambda t: turns[t]),
-                         sampling=SamplingConfig(), rollout=limits(max_turns=4, env_threads=8,
+                         sampling=SamplingParams(), rollout=limits(max_turns=4, env_threads=8,
                                                                           interruptible=interruptible),
                          asynchronous=True, max_staleness=max_staleness, act_for=versions_actor)
     results = run_fake_learner(engine, steps, learn_seconds, model)
@@ -188,7 +188,7 @@ def test_behaviour_logprobs_equal_a_recompute_under_the_weights_that_sampled_the
 
     engine = LocalEngine(requests_for, model=model, tokenizer=tokenizer,
                          make_env=lambda: CodingEnv(max_turns=3, use_git=False),
-                         sampling=SamplingConfig(temperature=1.0, max_new_tokens=12),
+                         sampling=SamplingParams(temperature=1.0, max_new_tokens=12),
                          rollout=limits(max_turns=3, env_threads=4), asynchronous=True, max_staleness=1)
     states = {0: {k: v.clone() for k, v in model.state_dict().items()}}
     engine.start(0)
@@ -304,7 +304,7 @@ def test_async_engine_never_samples_past_the_last_step(max_staleness):
     model = torch.nn.Linear(1, 1)
     engine = LocalEngine(requests_for, model=model, tokenizer=ByteTokenizer(),
                          make_env=lambda: LatencyEnv(lambda t, k: 0.0, lambda t: 1),
-                         sampling=SamplingConfig(), rollout=limits(max_turns=2),
+                         sampling=SamplingParams(), rollout=limits(max_turns=2),
                          asynchronous=True, max_staleness=max_staleness, act_for=versions_actor)
     engine.last_step = 3
     results = run_fake_learner(engine, 3, [0.0, 0.0, 0.0], model)

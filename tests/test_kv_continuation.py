@@ -1,4 +1,4 @@
-"""Keys and values kept between turns (SamplingConfig.keep_kv): a turn runs only its new tokens and
+"""Keys and values kept between turns (SamplingParams.keep_kv): a turn runs only its new tokens and
 samples exactly what a turn that re-ran the whole history samples.
 
 The model is a float64 tiny Qwen2, so the two paths must agree to float64 rounding: the same
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from keelrl.policy.sampling import RowCache, SamplingConfig, draw_uniforms, sample
+from keelrl.inference import RowCache, SamplingParams, draw_uniforms, sample
 
 
 def _uniforms(seed: int, rows: int, n: int) -> torch.Tensor:
@@ -26,8 +26,8 @@ def test_three_turns_with_kept_keys_equal_three_turns_from_scratch(policy, tempe
     prompts = [torch.randint(5, vocab, (n,), generator=g).tolist() for n in (9, 17, 17, 4)]
     prompts[2] = list(prompts[1])  # two rows of one group: their first prefill is shared
     observations = [torch.randint(5, vocab, (n,), generator=g).tolist() for n in (3, 6, 1, 8)]
-    kept = SamplingConfig(temperature=temperature, max_new_tokens=7, stop=(), keep_kv=True)
-    plain = SamplingConfig(temperature=temperature, max_new_tokens=7, stop=())
+    kept = SamplingParams(temperature=temperature, max_new_tokens=7, stop=(), keep_kv=True)
+    plain = SamplingParams(temperature=temperature, max_new_tokens=7, stop=())
     contexts_a = [list(p) for p in prompts]
     contexts_b = [list(p) for p in prompts]
     caches: list[RowCache | None] = [None] * len(prompts)
@@ -55,12 +55,12 @@ def test_three_turns_with_kept_keys_equal_three_turns_from_scratch(policy, tempe
 
 def test_a_cache_of_another_history_is_ignored(policy):
     model, tokenizer = policy
-    cfg = SamplingConfig(temperature=1.0, max_new_tokens=4, stop=(), keep_kv=True)
+    cfg = SamplingParams(temperature=1.0, max_new_tokens=4, stop=(), keep_kv=True)
     first = sample(model, tokenizer, [[5, 6, 7, 8]], cfg, uniforms=_uniforms(1, 1, 4))[0]
     other = [9, 9, 9, 9, 9, 9, 9, 9, 9]  # does not start with the cached tokens
     assert first.cache is not None and not first.cache.covers(other)
     reused = sample(model, tokenizer, [other], cfg, uniforms=_uniforms(2, 1, 4), caches=[first.cache])[0]
-    fresh = sample(model, tokenizer, [other], SamplingConfig(temperature=1.0, max_new_tokens=4, stop=()),
+    fresh = sample(model, tokenizer, [other], SamplingParams(temperature=1.0, max_new_tokens=4, stop=()),
                    uniforms=_uniforms(2, 1, 4))[0]
     assert reused.token_ids == fresh.token_ids and reused.recomputed == len(other)
 
@@ -72,7 +72,7 @@ def test_min_new_tokens_holds_end_tokens_back_in_every_path(policy):
 
     model, tokenizer = policy
     eager_to_end = copy.deepcopy(model)
-    from keelrl.policy.sampling import end_token_ids
+    from keelrl.inference import end_token_ids
 
     ends = list(end_token_ids(tokenizer))
     with torch.no_grad():
@@ -80,10 +80,10 @@ def test_min_new_tokens_holds_end_tokens_back_in_every_path(policy):
         head.weight[ends[0]] = head.weight[ends[0]] * 0 + 5.0  # a large logit for the end token everywhere
     contexts = [[5, 6, 7], [8, 9]]
     for keep in (False, True):
-        short = sample(eager_to_end, tokenizer, contexts, SamplingConfig(temperature=0.0, max_new_tokens=5, stop=(),
+        short = sample(eager_to_end, tokenizer, contexts, SamplingParams(temperature=0.0, max_new_tokens=5, stop=(),
                                                                          keep_kv=keep))
         assert len(short[0].token_ids) == 1 and short[0].token_ids[0] in ends
-        held = sample(eager_to_end, tokenizer, contexts, SamplingConfig(temperature=0.0, max_new_tokens=5, stop=(),
+        held = sample(eager_to_end, tokenizer, contexts, SamplingParams(temperature=0.0, max_new_tokens=5, stop=(),
                                                                         min_new_tokens=5, keep_kv=keep))
         assert [len(s.token_ids) for s in held] == [5, 5]
         assert not any(t in ends for s in held for t in s.token_ids)

@@ -12,7 +12,7 @@ from keelrl.envs.coding import CodingEnv
 from keelrl.envs.teacher import ScriptedTeacher
 from keelrl.policy.model import ValueHead, load_policy, token_logprobs
 from keelrl.policy.chat import ChatFormat, ChatTemplateError
-from keelrl.policy.sampling import SamplingConfig, end_token_ids, sample
+from keelrl.inference import SamplingParams, draw_uniforms, end_token_ids, sample
 from keelrl.policy.tiny import build_tiny_tokenizer
 from keelrl.rollout.agent_loop import model_actor, run_episodes, scripted_actor
 from keelrl.rollout.scheduler import observation_tokens, prompt_tokens
@@ -74,8 +74,7 @@ def test_behaviour_logprobs_are_those_of_the_distribution_sampled_from(tiny, tem
     model, tokenizer = tiny
     contexts = [tokenizer("<|user|>fix it<|end|><|assistant|>")["input_ids"],
                 tokenizer("<|user|>a longer request<|end|><|assistant|>")["input_ids"]]
-    samples = sample(model, tokenizer, contexts, SamplingConfig(temperature, top_p, max_new_tokens=12),
-                     generator_seed=3)
+    samples = sample(model, tokenizer, contexts, SamplingParams(temperature, top_p, max_new_tokens=12, seed=3))
     for context, drawn in zip(contexts, samples):
         sequence = torch.tensor([context + drawn.token_ids])
         logits = model(input_ids=sequence).logits[0, len(context) - 1:-1].float() / temperature
@@ -91,18 +90,18 @@ def test_behaviour_logprobs_are_those_of_the_distribution_sampled_from(tiny, tem
 def test_rows_with_one_context_share_its_prefill_and_sample_as_without(tiny, monkeypatch):
     """A group's attempts at one prompt prefill it once: the same tokens and behaviour log-probs
     as prefilling every row, each row still from its own uniforms."""
-    from keelrl.policy import sampling as sampling_module
+    from keelrl.inference import hf as sampling_module
 
     model, tokenizer = tiny
     short = tokenizer("<|user|>fix it<|end|><|assistant|>")["input_ids"]
     long = tokenizer("<|user|>a longer request, padded less<|end|><|assistant|>")["input_ids"]
     contexts = [short, long, short, long, long, tokenizer("<|user|>alone<|end|><|assistant|>")["input_ids"]]
-    uniforms = sampling_module.draw_uniforms(torch.Generator().manual_seed(11), 6 * 16).view(6, 16)
+    uniforms = draw_uniforms(torch.Generator().manual_seed(11), 6 * 16).view(6, 16)
     prefills = []
     original = sampling_module._shared_prefill
     monkeypatch.setattr(sampling_module, "_shared_prefill",
                         lambda *args: prefills.append(original(*args)) or prefills[-1])
-    config = SamplingConfig(temperature=0.9, max_new_tokens=16, stop=())
+    config = SamplingParams(temperature=0.9, max_new_tokens=16, stop=())
     shared = sample(model, tokenizer, contexts, config, uniforms=uniforms)
     assert len(prefills) == 1 and prefills[0], "the duplicated contexts were not prefilled once"
     cache = next(iter(prefills[0].values()))
@@ -131,8 +130,7 @@ def test_fresh_ratios_are_one_and_the_end_token_is_kept_when_pad_is_the_end_toke
     contexts = [prompt_tokens(tokenizer, f"request {i}" * (i + 1)) for i in range(8)]
     ended = []
     for seed in range(20):  # until some row ends on the end token (a few % per token here)
-        samples = sample(model, tokenizer, contexts, SamplingConfig(1.0, 1.0, max_new_tokens=48, stop=()),
-                         generator_seed=seed)
+        samples = sample(model, tokenizer, contexts, SamplingParams(1.0, 1.0, max_new_tokens=48, stop=(), seed=seed))
         ended = [(c, s) for c, s in zip(contexts, samples) if s.token_ids and s.token_ids[-1] == end]
         if ended:
             break
@@ -159,8 +157,7 @@ def test_learner_logprobs_at_the_sampling_temperature_make_fresh_ratios_one(tiny
     every action token (the behaviour policy is the tempered one); at T=1 they do not."""
     model, tokenizer = tiny
     contexts = [prompt_tokens(tokenizer, f"request {i}" * (i + 1)) for i in range(4)]
-    samples = sample(model, tokenizer, contexts, SamplingConfig(0.7, 1.0, max_new_tokens=24, stop=()),
-                     generator_seed=5)
+    samples = sample(model, tokenizer, contexts, SamplingParams(0.7, 1.0, max_new_tokens=24, stop=(), seed=5))
     trajectories = [Trajectory(task_id="t", group_id=0) for _ in samples]
     for trajectory, context, drawn in zip(trajectories, contexts, samples):
         trajectory.extend(context, action=False, turn=0)
@@ -292,7 +289,7 @@ def test_teacher_demonstrations_and_model_rollouts_collate_into_aligned_tensors(
     assert all(d.success and d.reward == 1.0 for d in demos)
     assert "FAIL test_none" in demos[0].observations[2]  # the lecture's mistake, then recovery
     rollouts = run_episodes(lambda: CodingEnv(max_turns=2, use_git=False), [task] * 3, tokenizer,
-                            model_actor(model, tokenizer, SamplingConfig(max_new_tokens=8)),
+                            model_actor(model, tokenizer, SamplingParams(max_new_tokens=8)),
                             limits(max_turns=2), group_ids=[5, 5, 5], seed=1)
     batch = collate(demos + rollouts, tokenizer.pad_token_id)
     for row, trajectory in enumerate(demos + rollouts):
@@ -405,5 +402,5 @@ def test_a_sampler_longer_than_the_rollouts_reserve_is_refused(tiny):
     teacher_task = retry_task()
     with pytest.raises(ValueError, match="max_new_tokens=40 is more than the 16 tokens"):
         run_episodes(lambda: CodingEnv(), [teacher_task], tokenizer,
-                     model_actor(model, tokenizer, SamplingConfig(max_new_tokens=40)),
+                     model_actor(model, tokenizer, SamplingParams(max_new_tokens=40)),
                      limits(max_turns=1, max_new_tokens=16))

@@ -269,7 +269,7 @@ def test_the_rollout_fields_default_and_validate_naming_the_dotted_field():
 
 
 # ----------------------------------------------------------------- wired in
-def test_eval_auto_evaluates_a_copy_in_the_measured_dtype(monkeypatch, tiny_model_dir):
+def test_eval_auto_evaluates_in_the_measured_dtype(monkeypatch, tiny_model_dir):
     from keelrl.train.evaluation import Evaluator
 
     FakeProbes(monkeypatch)  # decode: bf16 faster
@@ -277,10 +277,10 @@ def test_eval_auto_evaluates_a_copy_in_the_measured_dtype(monkeypatch, tiny_mode
     cfg = load_config(overrides=["eval.dtype=auto"])
     evaluator = Evaluator(cfg, model, tokenizer, CPU, make_env=lambda: None, rollout=None, prm=None,
                           autocast=lambda: None)
-    assert evaluator.eval_model().dtype == torch.bfloat16 and model.dtype == torch.float32
+    assert evaluator.eval_dtype() == torch.bfloat16 and model.dtype == torch.float32
     FakeProbes(monkeypatch, decode=(0.01, 0.03))
     precision.measurement(model, CPU, refresh=True)
-    assert evaluator.eval_model() is model  # float32 measured faster: the policy itself
+    assert evaluator.eval_dtype() == torch.float32  # float32 measured faster: the policy's own dtype
 
 
 def test_the_run_records_its_precision_and_keeps_its_config_as_given(monkeypatch, tiny_model_dir, tmp_path):

@@ -221,11 +221,11 @@ def test_a_run_trains_the_scorer_uses_it_and_resumes_it(tiny_model_dir, tmp_path
     assert evaluated and all(row["eval/prm_turns"] >= 3 for row in evaluated)
     assert 0 <= evaluated[-1]["eval/prm_balanced_accuracy"] <= 1
     # The surrogate value moves the advantages by exactly the process term of the scores.
-    from keelrl.policy.sampling import SamplingConfig
+    from keelrl.inference import SamplingParams
     from keelrl.rollout.agent_loop import model_actor
 
     trajectories = run_episodes(trainer._env(training=True), trainer.train_tasks[:3], trainer.tokenizer,
-                                model_actor(trainer.model, trainer.tokenizer, SamplingConfig(1.0, 1.0, 16)),
+                                model_actor(trainer.model, trainer.tokenizer, SamplingParams(1.0, 1.0, 16)),
                                 trainer._limits(), seed=5, group_ids=[0, 0, 1])
     batch = collate(trajectories, trainer.pad_id)
     where, _ = labelled_turns(batch)

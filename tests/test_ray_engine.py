@@ -17,7 +17,7 @@ from conftest import limits
 from keelrl.config import TINY_RUN, load_config
 from keelrl.envs.coding_tasks import bundled_tasks
 from keelrl.policy.model import load_policy
-from keelrl.policy.sampling import SamplingConfig
+from keelrl.inference import SamplingParams
 from keelrl.rollout.ray_engine import RayEngine, init_local_ray
 from keelrl.rollout.scheduler import GroupRequest, GroupResult, SchedulerStats
 from keelrl.envs.coding import CodingEnvFactory
@@ -65,7 +65,7 @@ def test_a_killed_worker_is_replaced_and_its_episodes_requeued(cluster, tiny_mod
     model, tokenizer = load_policy(str(tiny_model_dir), "cpu")
     state = {k: v.clone() for k, v in model.state_dict().items()}
     engine = RayEngine(requests_for, model_path=str(tiny_model_dir), tokenizer=tokenizer,
-                       make_env=CodingEnvFactory("strong", max_turns=2), sampling=SamplingConfig(max_new_tokens=12),
+                       make_env=CodingEnvFactory("strong", max_turns=2), sampling=SamplingParams(max_new_tokens=12),
                        rollout=limits(max_turns=2, env_threads=2), max_staleness=1, workers=2)
     try:
         engine.start(0)
@@ -98,7 +98,7 @@ def test_workers_are_pinned_to_their_cores_with_one_torch_thread(cluster, tiny_m
     """rollout.worker_cores: worker i runs every thread on core worker_cores[i % n], one torch thread."""
     model, tokenizer = load_policy(str(tiny_model_dir), "cpu")
     engine = RayEngine(lambda step: [], model_path=str(tiny_model_dir), tokenizer=tokenizer,
-                       make_env=CodingEnvFactory("strong", max_turns=1), sampling=SamplingConfig(max_new_tokens=4),
+                       make_env=CodingEnvFactory("strong", max_turns=1), sampling=SamplingParams(max_new_tokens=4),
                        rollout=limits(max_turns=1, env_threads=1), workers=2, worker_cores=(1,),
                        worker_cpus=0.5)
     try:
@@ -199,7 +199,7 @@ def _fake_engine(model_dir, modes, **options):
     fake = FakeRay(modes)
     requests = [GroupRequest(index=i, task=None, group_size=1, seed=i) for i in range(4)]
     engine = RayEngine(lambda step: requests, model_path=str(model_dir), tokenizer=None, make_env=lambda: None,
-                       sampling=SamplingConfig(), rollout=limits(), workers=2, poll_interval=1.0,
+                       sampling=SamplingParams(), rollout=limits(), workers=2, poll_interval=1.0,
                        ray_module=fake, clock=lambda: fake.now, sleep=fake.sleep, **options)
     return fake, engine, requests
 

@@ -21,7 +21,7 @@ def test_readme_python_example_runs_and_backpropagates():
 
 def test_ci_runs_exactly_the_readme_test_command():
     ci = (REPO / ".ci" / "run").read_text()
-    readme_command = "python -m pytest -q"
+    readme_command = "python -m pytest -q && bash .ci/vllm"
     assert f"&& {readme_command}\n" in README
     last_command = [line for line in ci.splitlines() if line.strip() and not line.startswith("#")][-1]
     assert last_command.strip() == readme_command

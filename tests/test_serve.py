@@ -13,7 +13,7 @@ Tool calls: a random tiny model never writes a well-formed one, so those tests r
 endpoint whose decoder returns scripted completions (`ScriptedDecoder`).
 
 Log-prob tolerance: the samplers compute the logits in float32 whatever the weights' dtype (as
-HF's scores; keelrl.policy.decode, tests/test_decoders.py), while the learner's recompute of a
+HF's scores; keelrl.inference, tests/test_decoders.py), while the learner's recompute of a
 float64 model is float64 throughout. The float64 model removes every difference of the body
 (kept keys and values against a full forward), so what is left is float32 rounding of the
 logits and their log-sum-exp: a few float32 ulps of values near log(vocab), hence 2e-6. A
@@ -37,7 +37,8 @@ from hypothesis import strategies as st
 from openai import AuthenticationError, BadRequestError, NotFoundError, OpenAI
 
 from conftest import action_runs
-from keelrl.policy.sampling import Sample, SamplingConfig, recompute_logprobs
+from keelrl.inference import DecoderOptions, Sample, SamplingParams
+from keelrl.policy.model import token_logprobs
 from keelrl.policy.tiny import TinyModelSpec, build_tiny_model, build_tiny_tokenizer
 from keelrl.serve import Endpoint, EndpointConfig
 from keelrl.serve.render import ROLES, Message, RequestError, Renderer, parse_messages, parse_tools
@@ -57,6 +58,18 @@ SYSTEM = {"role": "system", "content": "You are a careful agent."}
 
 
 # ---------------------------------------------------------------------- fixtures and helpers
+def recompute_logprobs(model, sequences, pad_id: int) -> list[torch.Tensor]:
+    """The learner's log pi(token_t | prefix) for every position t >= 1 of each sequence (right-padded batch)."""
+    width = max(len(ids) for ids in sequences)
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(input_ids)
+    for row, ids in enumerate(sequences):
+        input_ids[row, :len(ids)] = torch.tensor(list(ids))
+        attention[row, :len(ids)] = 1
+    logp = token_logprobs(model, input_ids, attention)["logp"]
+    return [logp[row, :len(ids)] for row, ids in enumerate(sequences)]
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return build_tiny_tokenizer()
@@ -71,7 +84,8 @@ def model(tokenizer):
 @pytest.fixture(scope="module")
 def ep(model, tokenizer):
     config = EndpointConfig(api_key=KEY, max_context_tokens=CONTEXT,
-                            sampling=SamplingConfig(stop=(), keep_kv=True, max_new_tokens=MAX_NEW, decoder="keel"))
+                            sampling=SamplingParams(stop=(), keep_kv=True, max_new_tokens=MAX_NEW),
+                            decoder=DecoderOptions(decoder="keel"))
     with Endpoint(model, tokenizer, config) as endpoint:
         yield endpoint
 
@@ -274,7 +288,9 @@ class ScriptedDecoder:
         """Closed (cleared): a job that arrives is seen, then held until it opens (mid-generation)."""
         self.gate.set()
 
-    def generate(self, contexts, cfg, uniforms, caches=None):
+    takes_uniforms, shares_model, version = True, True, 0
+
+    def generate(self, contexts, params, uniforms=None, caches=None, *, seeds=None):
         out = []
         for context in contexts:
             self.seen.append(list(context))
@@ -284,8 +300,8 @@ class ScriptedDecoder:
             out.append(Sample(ids, [-0.5] * len(ids), self.tokenizer.decode(ids), "stop"))
         return out
 
-    def load_weights(self, state) -> None:
-        pass
+    def load_weights(self, state, version) -> None:
+        self.version = version
 
     def cache_usage(self) -> dict:
         return {}
@@ -294,8 +310,8 @@ class ScriptedDecoder:
 @pytest.fixture(scope="module")
 def scripted(model, tokenizer):
     """(endpoint, its ScriptedDecoder, an openai client): an endpoint whose completions the test writes."""
-    config = EndpointConfig(api_key=KEY, sampling=SamplingConfig(stop=(), keep_kv=False, max_new_tokens=64,
-                                                                 decoder="hf"))
+    config = EndpointConfig(api_key=KEY, sampling=SamplingParams(stop=(), keep_kv=False, max_new_tokens=64),
+                            decoder=DecoderOptions(decoder="hf"))
     endpoint = Endpoint(model, tokenizer, config)
     decoder = ScriptedDecoder(tokenizer)
     assert not endpoint.loop.streaming

@@ -9,7 +9,7 @@ import torch
 
 from keelrl.algos.config import AlgoConfig
 from keelrl.algos.advantages import outcome_to_token_rewards
-from keelrl.policy.sampling import Sample, SamplingConfig
+from keelrl.inference import Sample, SamplingParams
 from keelrl.serve.render import RequestError
 from keelrl.serve.service import DecodeLoop, Job
 from keelrl.train.advantage import episode_advantages
@@ -42,8 +42,8 @@ def _loop(error: BaseException) -> DecodeLoop:
 
 
 def _job(failures: list[BaseException], done: list[Sample]) -> Job:
-    cfg = SamplingConfig(stop=(), max_new_tokens=4)
-    return Job(context=[1, 2, 3], cfg=cfg, uniforms=torch.rand(4), done=lambda s, v: done.append(s),
+    params = SamplingParams(stop=(), max_new_tokens=4)
+    return Job(context=[1, 2, 3], params=params, uniforms=torch.rand(4), done=lambda s, v: done.append(s),
                failed=failures.append)
 
 

@@ -178,7 +178,7 @@ FAST = [*TINY_RUN, *FAST_RUN,
 
 def test_on_policy_advantage_term_is_minus_coef_times_the_sampled_reverse_kl(tiny_model_dir, tmp_path):
     from keelrl.rollout.agent_loop import model_actor, run_episodes
-    from keelrl.policy.sampling import SamplingConfig
+    from keelrl.inference import SamplingParams
 
     cfg = load_config(overrides=[*FAST, f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", "distill.mode=on_policy",
                                  f"distill.teacher={tiny_model_dir}", "distill.coef=0.5"])
@@ -187,7 +187,7 @@ def test_on_policy_advantage_term_is_minus_coef_times_the_sampled_reverse_kl(tin
         for p in trainer.model.parameters():
             p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
     trajectories = run_episodes(trainer._env(training=True), trainer.train_tasks[:2], trainer.tokenizer,
-                                model_actor(trainer.model, trainer.tokenizer, SamplingConfig(1.0, 1.0, 16)),
+                                model_actor(trainer.model, trainer.tokenizer, SamplingParams(1.0, 1.0, 16)),
                                 trainer._limits(), seed=5)
     batch = collate(trajectories, trainer.pad_id)
     view = trainer.teacher.view(batch, trajectories, trainer.pad_id)
@@ -205,14 +205,14 @@ def test_on_policy_advantage_term_is_minus_coef_times_the_sampled_reverse_kl(tin
 
 def test_the_self_teacher_reads_the_reference_fix_and_scores_the_students_tokens(tiny_model_dir, tmp_path):
     from keelrl.rollout.agent_loop import model_actor, run_episodes
-    from keelrl.policy.sampling import SamplingConfig
+    from keelrl.inference import SamplingParams
     from keelrl.rollout.scheduler import prompt_tokens
 
     cfg = load_config(overrides=[*FAST, f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", "distill.mode=self"])
     trainer = Trainer(cfg)
     tasks = trainer.train_tasks[:2]
     trajectories = run_episodes(trainer._env(training=True), tasks, trainer.tokenizer,
-                                model_actor(trainer.model, trainer.tokenizer, SamplingConfig(1.0, 1.0, 16)),
+                                model_actor(trainer.model, trainer.tokenizer, SamplingParams(1.0, 1.0, 16)),
                                 trainer._limits(), seed=5)
     batch = collate(trajectories, trainer.pad_id)
     view = trainer.teacher.view(batch, trajectories, trainer.pad_id)

@@ -110,7 +110,7 @@ def test_the_warm_starts_own_mistakes_round_trains_on_the_teachers_continuations
     import keelrl.train.trainer as trainer_module
     from keelrl.envs.teacher import moves
 
-    def wrong_first(model, tokenizer, sampling):  # the student: every task's plausible wrong fix, then its fix
+    def wrong_first(model, tokenizer, sampling, options=None):  # the student: every task's plausible wrong fix, then its fix
         def act(active):
             out = []
             for episode in active:
@@ -171,22 +171,38 @@ def test_the_kl_reference_is_the_policy_as_rl_starts(tiny_model_dir, tmp_path):
     assert (tmp_path / "reference" / "config.json").exists()
 
 
-def test_evaluation_in_bf16_uses_a_cast_copy_of_the_current_weights(tiny_model_dir, tmp_path):
+def test_evaluation_in_bf16_samples_the_current_weights_cast(tiny_model_dir, tmp_path, monkeypatch):
+    """The evaluation's decoder gets the policy's current weights through `load_weights` (the
+    trainer's step as their version) and samples them cast to eval.dtype."""
     import torch
+
+    from keelrl.train import evaluation
 
     cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", "eval.dtype=bfloat16",
                                  *FAST])
     trainer = Trainer(cfg)
+    decoders = []
+    model_actor = evaluation.model_actor
+
+    def recording(*args, **kwargs):
+        act = model_actor(*args, **kwargs)
+        decoders.append(act.decoder)
+        return act
+
+    monkeypatch.setattr(evaluation, "model_actor", recording)
     first = trainer.evaluate()
     assert first["eval/tasks"] == 3 and trainer.model.dtype == torch.float32
     with torch.no_grad():  # an update: the next evaluation must see it
         for p in trainer.model.parameters():
             p.add_(0.01)
+    trainer.policy_version = 4
     trainer.evaluate()
-    copy = trainer.evaluator._copy
-    assert copy is not None and copy.dtype == torch.bfloat16
-    for (name, p), (_, q) in zip(trainer.model.named_parameters(), copy.named_parameters()):
-        assert torch.equal(q, p.detach().to(torch.bfloat16)), name
+    decoder = decoders[-1]
+    assert decoder.version == 4 and decoder.dtype == torch.bfloat16
+    fused = decoder.weights()  # the keel decoder (auto, a Qwen2): its weights in its fused layout
+    body = trainer.model.model
+    assert torch.equal(fused.embed, body.embed_tokens.weight.detach().to(torch.bfloat16))
+    assert torch.equal(fused.layers[0]["down"], body.layers[0].mlp.down_proj.weight.detach().to(torch.bfloat16))
     with pytest.raises(Exception, match="eval.dtype"):
         load_config(overrides=["eval.dtype=fp8"])
 

@@ -24,7 +24,6 @@ GET /keel/v1/sessions/{id}), and the update's loss metrics. The rows go to RUN_D
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import math
@@ -37,6 +36,7 @@ from pathlib import Path
 
 import keelrl
 from keelrl.config import TINY_RUN
+from keelrl.inference import own_copy, published_state
 from keelrl.rollout.engines import StepRollouts, staleness_metrics
 from keelrl.serve import Endpoint, EndpointConfig
 from keelrl.train.trainer import Trainer
@@ -110,12 +110,13 @@ def main() -> int:
     started = time.monotonic()
     trainer = Trainer(cfg)
     sampling = dataclasses.replace(trainer.rollout_sampling(), max_new_tokens=args.max_new_tokens, stop=(),
-                                   keep_kv=True, decoder="keel")
+                                   keep_kv=True)
+    decoder = dataclasses.replace(trainer.decoder_options(), decoder="keel")
     key = "keel-local"
     config = EndpointConfig(model_name=args.model_name, tool_format="hermes", api_key=key,
-                            max_context_tokens=cfg.rollout.max_context_tokens, sampling=sampling,
+                            max_context_tokens=cfg.rollout.max_context_tokens, sampling=sampling, decoder=decoder,
                             fixed_sampling=True, seed=cfg.seed)
-    own = copy.deepcopy(trainer.model).eval().requires_grad_(False)
+    own = own_copy(trainer.model)
     out = Path(args.run_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -154,7 +155,7 @@ def main() -> int:
             metrics.update({f"endpoint/{k}": float(ep.counters[k] - counters.get(k, 0)) for k in ep.counters})
             row = trainer.rl_step(step, StepRollouts(trajectories, metrics))
             trainer.step = step
-            ep.loop.offer({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, step)
+            ep.loop.offer(published_state(trainer.model), step)  # its merged state dict, copied
             loaded = ep.loop.wait_version(step, timeout=60)
             rewarded = [t.reward for t in trajectories if not math.isnan(t.reward)]
             line = {"step": step, "episodes": len(fresh), "samples": len(trajectories),

@@ -132,10 +132,14 @@ class AlgoConfig:
         if self.preset not in PRESETS:
             raise ConfigError("preset", f"unknown preset {self.preset!r}; valid names: {', '.join(PRESETS)}")
         preset = PRESETS[self.preset]
+        filled = []
         for f in fields(self):
             if f.name != "preset" and getattr(self, f.name) is FROM_PRESET:
                 value = preset.settings.get(f.name, BASE_SETTINGS.get(f.name))
                 setattr(self, f.name, value)
+                filled.append(f.name)
+        self.from_preset = frozenset(filled)
+        """The fields the preset filled (the user set the others): a run may still choose them."""
         self._validate(registries)
 
     def _validate(self, registries: Any) -> None:

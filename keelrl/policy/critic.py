@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from keelrl.config import LoraSettings
 from keelrl.policy.model import ValueHead, token_logprobs
 from keelrl.registry import Registry
 
@@ -79,10 +80,15 @@ def _head_critic(policy: Any, tokenizer: Any, *, model_path: str, device: torch.
 @CRITICS.register("separate", summary="a separate model, started from the policy's weights, with its own value head")
 def _separate_critic(policy: Any, tokenizer: Any, *, model_path: str, device: torch.device,
                      stop_gradient: bool) -> nn.Module:
+    from keelrl.policy import lora
     from keelrl.policy.model import load_policy
 
     body, _ = load_policy(model_path, device)
-    body.load_state_dict(policy.state_dict())
+    if lora.is_lora(body):  # model_path holds an adapter: the critic starts from the policy's merged weights
+        body = lora.merged_model(body)
+    body.load_state_dict(lora.merged_state_dict(policy))
+    if lora.is_lora(policy):  # a LoRA policy's critic trains an adapter of the same settings, its base frozen
+        body = lora.apply_lora(body, LoraSettings(**lora.adapter_settings(policy)), base=model_path)
     return SeparateCritic(body).to(device)
 
 

@@ -419,20 +419,21 @@ def _check_saved_tokenizer(out_dir: Path, expected: Any) -> None:
 
 def check_model_path(path: str) -> None:
     """Raise ModelPathError (a FileNotFoundError) unless `path` is a registered name, an existing
-    .gguf file or a directory with a config.json; the message suggests the nearest registered name
-    or sibling path. Nothing is fetched or loaded."""
+    .gguf file, a directory with a config.json or one with a LoRA adapter (adapter_config.json: a
+    LoRA run's checkpoint, loaded onto the base it names); the message suggests the nearest
+    registered name or sibling path. Nothing is fetched or loaded."""
     if path in MODELS:
         return
     candidate = Path(path).expanduser()
     if candidate.suffix == ".gguf" and candidate.is_file():
         return
-    if (candidate / "config.json").exists():
+    if (candidate / "config.json").exists() or (candidate / "adapter_config.json").exists():
         return
     problem = ("no such file" if candidate.suffix == ".gguf" else
                "no config.json there" if candidate.is_dir() else "no such directory or registered name")
     raise ModelPathError(f"model path {path!r}: {problem}{_did_you_mean(path, candidate)}; give a registered name "
-                         f"({', '.join(MODELS)}; `keel model list`), a local Hugging Face model directory or a "
-                         f".gguf file")
+                         f"({', '.join(MODELS)}; `keel model list`), a local Hugging Face model directory, a "
+                         f"LoRA adapter folder or a .gguf file")
 
 
 class ModelPathError(FileNotFoundError):

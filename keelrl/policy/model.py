@@ -108,6 +108,14 @@ class NotCausalLMError(ValueError):
     """The model path holds a model that is not a causal (next-token) language model."""
 
 
+def base_name(path: str) -> str:
+    """How a LoRA adapter of the model at model.path `path` names its base (adapter_config.json):
+    a registered name as it is, anything else as its absolute local directory."""
+    from keelrl.policy.download import MODELS
+
+    return path if path in MODELS else str(ensure_model_dir(path).resolve())
+
+
 def load_policy(path: str, device: str | torch.device = "auto", dtype: torch.dtype | None = None) -> tuple[Any, Any]:
     """(model, tokenizer) from a local directory or 'tiny', on `device`.
 
@@ -115,17 +123,30 @@ def load_policy(path: str, device: str | torch.device = "auto", dtype: torch.dty
     (`NotCausalLMError` otherwise; transformers would load a BERT encoder as a BertLMHeadModel
     with a random head), and its tokenizer must have a chat template
     (`keelrl.policy.chat.ChatTemplateError`), before the weights load.
+
+    A folder holding a LoRA adapter (adapter_config.json: a LoRA run's checkpoint) loads as the
+    base model it names with the adapter on it (`keelrl.policy.lora.load_adapter`); the tokenizer
+    is the folder's own where it has one, else the base's.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     from keelrl.policy.chat import ChatFormat
+    from keelrl.policy.lora import adapter_base, is_adapter_dir, load_adapter
 
     directory = ensure_model_dir(path)
+    adapter: Path | None = None
+    if is_adapter_dir(directory):
+        adapter = directory
+        directory = ensure_model_dir(adapter_base(adapter))
+        if is_adapter_dir(directory):
+            raise NotCausalLMError(f"model path {path!r}: the adapter's base {str(directory)!r} is an adapter "
+                                   f"itself; an adapter's base must be a model")
     device = resolve_device(device) if isinstance(device, str) else device
     hf_logging.disable_progress_bar()
     check_causal_lm(path, directory)
-    tokenizer = AutoTokenizer.from_pretrained(directory)
+    has_tokenizer = adapter is not None and (adapter / "tokenizer_config.json").is_file()
+    tokenizer = AutoTokenizer.from_pretrained(adapter if has_tokenizer else directory)
     ChatFormat.of(tokenizer)  # every episode is laid out in the chat template: fail now, not mid-run
     loaded: Any = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype or default_dtype(device),
                                                        output_loading_info=True)
@@ -140,6 +161,8 @@ def load_policy(path: str, device: str | torch.device = "auto", dtype: torch.dty
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.to(device)
+    if adapter is not None:
+        model = load_adapter(model, adapter)
     return model, tokenizer
 
 

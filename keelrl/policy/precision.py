@@ -391,13 +391,16 @@ def probe_copy(model: Any, dtype: torch.dtype, layers: int) -> Any:
     """A copy of `model` with its first `layers` layers, its weights in `dtype`: the model's own
     tensors where they are in `dtype` already (shared, never written), cast copies otherwise. The
     copy's parameters are its own objects, so gradients into them never reach `model`."""
+    from keelrl.policy.lora import merged_state_dict, unwrap
+
+    model = unwrap(model)
     config = copy.deepcopy(model.config)
     config.num_hidden_layers = layers
     if isinstance(getattr(config, "layer_types", None), list):
         config.layer_types = config.layer_types[:layers]
     with torch.device("meta"):
         probe = type(model)(config)
-    source = model.state_dict()
+    source = merged_state_dict(model)  # a LoRA policy's: under the base's names, the adapters folded in
     probe.load_state_dict({name: source[name].detach().to(dtype) for name in probe.state_dict()}, assign=True)
     buffers = dict(model.named_buffers())
     for name, buffer in list(probe.named_buffers()):  # non-persistent buffers (rotary frequencies) stay as they are

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from keelrl.envs.base import Turn
-from keelrl.policy.sampling import SamplingConfig, draw_uniforms
+from keelrl.inference import DecoderOptions, SamplingParams, build_decoder, draw_seed, draw_uniforms
 from keelrl.rollout.scheduler import (ActFn, EpisodeInFlight, EpisodeScheduler, GroupRequest, EpisodeLimits,
                                       observation_tokens, prompt_tokens)
 from keelrl.rollout.trajectory import Trajectory
@@ -45,37 +45,38 @@ def run_episodes(make_env: Callable[[], Any], tasks: Sequence[Any], tokenizer: A
     return [result.trajectories[0] for result in results]
 
 
-def model_actor(model: Any, tokenizer: Any, sampling: SamplingConfig) -> ActFn:
+def model_actor(model: Any, tokenizer: Any, sampling: SamplingParams,
+                options: DecoderOptions = DecoderOptions()) -> ActFn:
     """An ActFn that samples every waiting episode's next action from `model` in one batch.
 
-    Each episode draws its uniforms from its own generator, so its actions do not depend on the
-    batch it shares. The decoder (`sampling.decoder`) is built once and kept across calls, so an
-    episode's kept keys and values (`sampling.keep_kv`) serve its next turn. A decoder that can
+    Each episode draws its randomness from its own generator (uniforms, or a seed for a decoder
+    that does not take uniforms), so its actions do not depend on the batch it shares. The
+    decoder (`options`, keelrl.inference) is built once and kept across calls, so an episode's
+    kept keys and values (`sampling.keep_kv`) serve its next turn; it is offered as
+    `act.decoder`, the handle its new weights go through (`load_weights`). A decoder that can
     stream (`submit` and `step`, as keelrl's own) is also offered as `act.stream`, an
     `ActionStream`: the scheduler then adds episodes to the batch being decoded as they become
     ready, instead of waiting for the whole batch to finish.
     """
-    from keelrl.policy.decoders import build_decoder
-
-    decoder = build_decoder(sampling.decoder, model, tokenizer, dtype=sampling.dtype, max_batch=sampling.max_batch,
-                            kv_budget_mb=sampling.kv_budget_mb)
+    decoder = build_decoder(model, tokenizer, options)
 
     def act(active: Sequence[EpisodeInFlight]) -> list[tuple[list[int], list[float], str]]:
-        uniforms = _uniforms(active, sampling)
         caches = [episode.kv for episode in active] if sampling.keep_kv else None
-        samples = decoder.generate([episode.trajectory.token_ids for episode in active], sampling, uniforms,
-                                   caches=caches)
+        samples = decoder.generate([episode.trajectory.token_ids for episode in active], sampling, caches=caches,
+                                   **randomness(decoder, active, sampling))
         for episode, s in zip(active, samples):
             episode.kv = s.cache
             episode.recomputed += s.recomputed
         return [(s.token_ids, s.logprobs, s.text) for s in samples]
 
-    act.decoder = decoder  # type: ignore[attr-defined]  # its cache_usage() and counters, for logs and benchmarks
+    act.decoder = decoder  # type: ignore[attr-defined]  # its weights seam, cache_usage() and counters
     act.stream = ActionStream(decoder, sampling) if hasattr(decoder, "submit") else None  # type: ignore[attr-defined]
     return act
 
 
-def _uniforms(active: Sequence[EpisodeInFlight], sampling: SamplingConfig) -> Any:
+def randomness(decoder: Any, active: Sequence[EpisodeInFlight], sampling: SamplingParams) -> dict[str, Any]:
+    """The episodes' randomness for their next actions, from their own generators: uniforms
+    [B, max_new_tokens] for a decoder that takes them, else one seed each."""
     import torch
 
     reserved = min(episode.reserved for episode in active)
@@ -83,7 +84,9 @@ def _uniforms(active: Sequence[EpisodeInFlight], sampling: SamplingConfig) -> An
         raise ValueError(f"sampling.max_new_tokens={sampling.max_new_tokens} is more than the "
                          f"{reserved} tokens the rollout reserves for an action (EpisodeLimits."
                          f"max_new_tokens): an action could overflow max_context_tokens")
-    return torch.stack([draw_uniforms(episode.generator, sampling.max_new_tokens) for episode in active])
+    if not getattr(decoder, "takes_uniforms", True):
+        return {"seeds": [draw_seed(episode.generator) for episode in active]}
+    return {"uniforms": torch.stack([draw_uniforms(episode.generator, sampling.max_new_tokens) for episode in active])}
 
 
 class ActionStream:
@@ -92,7 +95,7 @@ class ActionStream:
     `act` would give it (its own uniforms, its own kept keys and values), whichever episodes
     shared its steps."""
 
-    def __init__(self, decoder: Any, sampling: SamplingConfig) -> None:
+    def __init__(self, decoder: Any, sampling: SamplingParams) -> None:
         self.decoder, self.sampling = decoder, sampling
         self._episodes: dict[int, EpisodeInFlight] = {}
 
@@ -106,7 +109,7 @@ class ActionStream:
             return
         caches = [episode.kv for episode in episodes] if self.sampling.keep_kv else None
         tickets = self.decoder.submit([episode.trajectory.token_ids for episode in episodes], self.sampling,
-                                      _uniforms(episodes, self.sampling), caches=caches)
+                                      caches=caches, **randomness(self.decoder, episodes, self.sampling))
         self._episodes.update(zip(tickets, episodes))
 
     def step(self) -> list[tuple[EpisodeInFlight, tuple[list[int], list[float], str]]]:

@@ -23,11 +23,16 @@ Engines:
   learner updates; `publish` hands it a copy of the new weights, loaded between turns.
   With max_staleness=0 it produces the sync engine's trajectories (same seeds, same weights).
 - `ray`: rollout workers as Ray actors (keelrl.rollout.ray_engine), same admission rule.
+
+Weights reach the decoders only through their `load_weights(state, version)`
+(keelrl.inference.weights): `publish_model` sends a copy of the model's merged state dict
+(adapters folded in), which the async engine's rollout thread and the Ray workers load between
+turns; the sync engine, whose decoder samples with the learner's own model, hands it the model
+itself (or its merged state dict, for a decoder that cannot read torch models).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import threading
 import time
@@ -35,7 +40,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from keelrl.policy.sampling import SamplingConfig
+from keelrl.inference import DecoderOptions, SamplingParams, deliver, own_copy, published_state
 from keelrl.rollout.agent_loop import model_actor
 from keelrl.rollout.scheduler import (ActFn, EpisodeScheduler, GroupRequest, GroupResult, EpisodeLimits,
                                       SchedulerStats, WeightSlot)
@@ -120,13 +125,13 @@ class RolloutEngine:
         self._submitted_through = version
 
     def publish(self, state: dict[str, Any], version: int) -> None:
-        """New learner weights (a state dict the engine may keep; pass a copy)."""
+        """New learner weights (a merged state dict the engine may keep; pass a copy)."""
         self.version = version
 
     def publish_model(self, model: Any, version: int) -> None:
-        """The learner's `model` now holds weights of `version`: `publish` a copy of its state
-        (an engine that runs on the learner's own weights takes the version alone)."""
-        self.publish({k: v.detach().clone() for k, v in model.state_dict().items()}, version)
+        """The learner's `model` now holds weights of `version`: `publish` a copy of its merged
+        state dict (an engine that samples with the learner's own model hands it to its decoder)."""
+        self.publish(published_state(model), version)
 
     def batch(self, step: int) -> StepRollouts:
         raise NotImplementedError
@@ -155,18 +160,21 @@ class LocalEngine(RolloutEngine):
     """`sync` (in the caller's thread, learner's weights) or `async` (a rollout thread, own weights)."""
 
     def __init__(self, requests_for: RequestsFor, *, model: Any, tokenizer: Any, make_env: Callable[[], Any],
-                 sampling: SamplingConfig, rollout: EpisodeLimits, asynchronous: bool, max_staleness: int = 1,
+                 sampling: SamplingParams, rollout: EpisodeLimits, asynchronous: bool, max_staleness: int = 1,
+                 decoder_options: DecoderOptions = DecoderOptions(),
                  act_for: Callable[[Any], ActFn] | None = None) -> None:
-        """`act_for(model)` builds the actor over the engine's policy copy (default: sample from it)."""
+        """`act_for(model)` builds the actor over the engine's policy copy (default: sample from it
+        with the decoder `decoder_options` names)."""
         super().__init__(requests_for, max_staleness if asynchronous else 0)
         self.name = "async" if asynchronous else "sync"
         self.asynchronous = asynchronous
-        self.model = copy.deepcopy(model) if asynchronous else model
-        if asynchronous:
-            self.model.eval().requires_grad_(False)
+        self.model = own_copy(model) if asynchronous else model
         self._lock = threading.Condition()
-        self.weights = WeightSlot(self.model)
-        act = act_for(self.model) if act_for is not None else model_actor(self.model, tokenizer, sampling)
+        act = act_for(self.model) if act_for is not None else model_actor(self.model, tokenizer, sampling,
+                                                                            decoder_options)
+        self.decoder: Any = getattr(act, "decoder", None)
+        """The actor's decoder, where it has one: new weights go through its `load_weights`."""
+        self.weights = WeightSlot.for_actor(act, self.model)
         self.scheduler = EpisodeScheduler(make_env, tokenizer, act, rollout, refresh=self.weights.refresh,
                                           has_newer=self.weights.has_newer)
         self._results: dict[int, GroupResult] = {}
@@ -187,14 +195,19 @@ class LocalEngine(RolloutEngine):
         super().publish(state, version)
         if self.asynchronous:
             self.weights.offer(state, version)
-        else:
+        else:  # nothing is decoding: loaded now (an empty state: the version alone)
+            if state:
+                self.weights.load(state, version)
             self.weights.held = version
 
     def publish_model(self, model: Any, version: int) -> None:
         if self.asynchronous:
             super().publish_model(model, version)
-        else:  # the learner's own weights
-            self.publish({}, version)
+        else:  # the decoder samples with the learner's own model: it reads it now
+            RolloutEngine.publish(self, {}, version)
+            if self.decoder is not None:
+                deliver(self.decoder, model, version)
+            self.weights.held = version
 
     def skip(self, step: int) -> None:
         if self.asynchronous:

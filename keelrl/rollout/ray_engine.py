@@ -2,10 +2,11 @@
 
 Each worker actor loads the policy from `model_path` (a path every node can read), runs an
 `EpisodeScheduler` in a background thread, and takes weights from the learner through the
-object store: `publish` puts one copy of the state dict there and hands every worker the
-reference. A worker admits a request only once it holds weights at least as new as the
-request's `min_version`, exactly like the local engines, so the staleness bound holds across
-machines.
+object store: `publish` puts one copy of the (merged) state dict there and hands every worker
+the reference, which the worker's decoder loads between turns (`load_weights`,
+keelrl.inference.weights). A worker admits a request only once it holds weights at least as new
+as the request's `min_version`, exactly like the local engines, so the staleness bound holds
+across machines.
 
 Requests are spread over workers (fewest outstanding first). The driver remembers every
 request a worker has not yet returned; when a worker dies (a node lost, an OOM kill,
@@ -33,7 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from keelrl.policy.sampling import SamplingConfig
+from keelrl.inference import DecoderOptions, SamplingParams
 from keelrl.rollout.engines import RequestsFor, RolloutEngine, StepRollouts, staleness_metrics
 from keelrl.rollout.scheduler import (EpisodeScheduler, GroupRequest, GroupResult, EpisodeLimits, SchedulerStats,
                                       WeightSlot)
@@ -58,12 +59,13 @@ class WorkerSpec:
 
     model_path: str
     make_env: Callable[[], Any]
-    sampling: SamplingConfig
+    sampling: SamplingParams
     rollout: EpisodeLimits
     device: str = "cpu"
     torch_threads: int = 1
     cpu_cores: tuple[int, ...] = ()
     """Pin the worker's process to these cores (empty: no pinning)."""
+    decoder_options: DecoderOptions = DecoderOptions()
 
 
 class RolloutWorker:
@@ -72,6 +74,7 @@ class RolloutWorker:
     def __init__(self, spec: WorkerSpec) -> None:
         import torch
 
+        from keelrl.policy import lora
         from keelrl.policy.model import load_policy
         from keelrl.rollout.agent_loop import model_actor
 
@@ -81,11 +84,14 @@ class RolloutWorker:
             pin_to_cores(spec.cpu_cores)
         torch.set_num_threads(max(1, spec.torch_threads))
         self.model, self.tokenizer = load_policy(spec.model_path, spec.device)
+        if lora.is_lora(self.model):  # model.path is an adapter: the learner publishes merged weights
+            self.model = lora.merged_model(self.model)
         self.model.eval().requires_grad_(False)
         self._lock = threading.Lock()
-        self.weights = WeightSlot(self.model, version=-1)  # no weights from the learner yet: nothing may start
-        self.scheduler = EpisodeScheduler(spec.make_env, self.tokenizer,
-                                          model_actor(self.model, self.tokenizer, spec.sampling), spec.rollout,
+        act = model_actor(self.model, self.tokenizer, spec.sampling, spec.decoder_options)
+        # no weights from the learner yet: nothing may start
+        self.weights = WeightSlot.for_actor(act, self.model, version=-1)
+        self.scheduler = EpisodeScheduler(spec.make_env, self.tokenizer, act, spec.rollout,
                                           refresh=self.weights.refresh, has_newer=self.weights.has_newer)
         self._finished: list[GroupResult] = []
         self._error: str | None = None
@@ -145,10 +151,11 @@ class RayEngine(RolloutEngine):
     name = "ray"
 
     def __init__(self, requests_for: RequestsFor, *, model_path: str, tokenizer: Any, make_env: Callable[[], Any],
-                 sampling: SamplingConfig, rollout: EpisodeLimits, max_staleness: int = 1, workers: int = 2,
+                 sampling: SamplingParams, rollout: EpisodeLimits, max_staleness: int = 1, workers: int = 2,
                  worker_cpus: float = 1.0, worker_cores: tuple[int, ...] = (), seed: int = 0,
                  poll_interval: float = 0.02,
-                 worker_timeout_s: float = 600.0, ray_module: Any = None,
+                 worker_timeout_s: float = 600.0, decoder_options: DecoderOptions = DecoderOptions(),
+                 ray_module: Any = None,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
         import ray
 
@@ -165,7 +172,8 @@ class RayEngine(RolloutEngine):
                 self._ray.init(log_to_driver=False)  # RAY_ADDRESS set: join that cluster
             self._started_ray = True
         self.spec = WorkerSpec(model_path=str(ensure_model_dir(model_path)), make_env=make_env, sampling=sampling,
-                               rollout=rollout, torch_threads=max(1, int(worker_cpus)))
+                               rollout=rollout, torch_threads=max(1, int(worker_cpus)),
+                               decoder_options=decoder_options)
         self.worker_cores = tuple(worker_cores)
         self._actor_class = self._ray.remote(num_cpus=worker_cpus, max_restarts=0)(RolloutWorker)
         self.actors = [self._spawn(slot) for slot in range(workers)]

@@ -160,7 +160,7 @@ class EpisodeInFlight:
     acting: list[bool] = field(default_factory=list)
     """With label_steps: whether each turn could change the code (it gets a label)."""
     kv: Any = None
-    """With SamplingConfig.keep_kv: the episode's keys and values after its last turn (a RowCache),
+    """With SamplingParams.keep_kv: the episode's keys and values after its last turn (a RowCache),
     valid while the weights are those of `kv_version`."""
     kv_version: int = -1
     recomputed: int = 0
@@ -200,18 +200,28 @@ class SchedulerStats:
 
 
 class WeightSlot:
-    """New weights for a rollout model, handed across threads.
+    """New weights for a rollout side's decoder, handed across threads.
 
-    The learner's side `offer`s a state dict and its version; the rollout thread calls
-    `refresh` between generation batches, which loads the newest offered state into `model`
-    and returns the version now held. Only the newest offer is kept.
+    The learner's side `offer`s a (merged) state dict and its version; the rollout thread calls
+    `refresh` between generation batches, which hands the newest offer to `load` (the decoder's
+    `load_weights(state, version)`, keelrl.inference.weights) and returns the version now held.
+    Only the newest offer is kept.
     """
 
-    def __init__(self, model: Any, version: int = 0) -> None:
-        self.model = model
+    def __init__(self, load: Callable[[Any, int], None], version: int = 0) -> None:
+        self.load = load
         self.held = version
         self._lock = threading.Lock()
         self._pending: tuple[dict[str, Any], int] | None = None
+
+    @classmethod
+    def for_actor(cls, act: Any, model: Any, version: int = 0) -> "WeightSlot":
+        """The slot of an actor: its decoder's `load_weights` (`act.decoder`, as `model_actor` makes
+        it), else loading the state into `model` (an actor that reads the model itself)."""
+        decoder = getattr(act, "decoder", None)
+        if decoder is not None:
+            return cls(decoder.load_weights, version)
+        return cls(lambda state, _: model.load_state_dict(state), version)
 
     def offer(self, state: dict[str, Any], version: int) -> None:
         with self._lock:
@@ -227,7 +237,7 @@ class WeightSlot:
             pending, self._pending = self._pending, None
         if pending is not None:
             state, version = pending
-            self.model.load_state_dict(state)
+            self.load(state, version)
             self.held = version
         return self.held
 

@@ -53,7 +53,8 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from keelrl.policy.sampling import Sample, SamplingConfig, draw_uniforms, end_token_ids
+from keelrl.inference import (DecoderOptions, Sample, SamplingParams, draw_seed, draw_uniforms, end_token_ids,
+                              token_byte_table)
 from keelrl.serve.render import Message, RequestError, Renderer, parse_messages, parse_tools
 from keelrl.serve.service import DecodeLoop, Job
 from keelrl.serve.sessions import CallRecord, Session
@@ -76,8 +77,10 @@ class EndpointConfig:
     """How tool calls are written in completions (keelrl.envs.formats: hermes or json)."""
     max_context_tokens: int = 2048
     """A prompt plus max_tokens past this is refused (400 context_length_exceeded)."""
-    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(stop=(), keep_kv=True, max_new_tokens=256))
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(stop=(), keep_kv=True, max_new_tokens=256))
     """Defaults of a request's sampling; `max_new_tokens` is the most a request may ask for."""
+    decoder: DecoderOptions = field(default_factory=DecoderOptions)
+    """The decoder that samples (rollout.decoder, its dtype and KV budget)."""
     fixed_sampling: bool = False
     """Sample at `sampling`'s temperature and top_p whatever a request asks (a training run's endpoint)."""
     seed: int = 0
@@ -119,14 +122,14 @@ class Endpoint:
         self.config, self.tokenizer, self.source, self.reward_fn = config, tokenizer, source, reward_fn
         self.renderer = Renderer(tokenizer, config.tool_format)
         self.end_ids = tuple(end_token_ids(tokenizer))
-        self.loop = DecodeLoop(model, tokenizer, config.sampling, version=version, thread=decode_thread)
+        self.loop = DecodeLoop(model, tokenizer, config.decoder, version=version, thread=decode_thread)
         self.sessions: dict[str, Session] = {}
         self.counters = {"requests": 0, "rejected": 0, "sampling_overridden": 0, "new_samples": 0,
                          "continued": 0}
         self._lock = threading.Lock()
         self._anonymous = itertools.count()
         self._byte_table: Any = False
-        """Each token's bytes (keelrl.policy.decode.token_byte_table), made on first use; None: not byte-level."""
+        """Each token's bytes (keelrl.inference.token_byte_table), made on first use; None: not byte-level."""
         self.app = build_app(self)
         self._server: Any = None
         self._thread: threading.Thread | None = None
@@ -183,7 +186,7 @@ class Endpoint:
         return session
 
     # ------------------------------------------------------------------ one chat call
-    def sampling_for(self, body: dict[str, Any]) -> SamplingConfig:
+    def sampling_for(self, body: dict[str, Any]) -> SamplingParams:
         """The request's sampling settings (RequestError naming a bad one)."""
         base = self.config.sampling
         temperature, top_p = _number(body, "temperature", 0.0, 2.0), _number(body, "top_p", 0.0, 1.0)
@@ -255,7 +258,7 @@ class Endpoint:
             return await self._complete(session, messages, tools, cfg, choice, body)
 
     async def _complete(self, session: Session, messages: list[Message], tools: list[dict[str, Any]],
-                        cfg: SamplingConfig, choice: Any, body: dict[str, Any]) -> dict[str, Any]:
+                        cfg: SamplingParams, choice: Any, body: dict[str, Any]) -> dict[str, Any]:
         offered = tools if choice != "none" else []
         with session.lock:
             rendered = self.renderer.continuation(messages, tools, session.replies, session.previous_text,
@@ -284,9 +287,13 @@ class Endpoint:
         def failed(error: BaseException) -> None:
             event_loop.call_soon_threadsafe(_settle, future, None, error)
 
-        uniforms = draw_uniforms(session.generator, cfg.max_new_tokens)
-        self.loop.submit(Job(context=list(rendered.token_ids), cfg=cfg, uniforms=uniforms, done=done, failed=failed,
-                             cache=session.kv if cfg.keep_kv else None))
+        uniforms, seed = None, None
+        if self.loop.takes_uniforms:
+            uniforms = draw_uniforms(session.generator, cfg.max_new_tokens)
+        else:
+            seed = draw_seed(session.generator)
+        self.loop.submit(Job(context=list(rendered.token_ids), params=cfg, uniforms=uniforms, seed=seed, done=done,
+                             failed=failed, cache=session.kv if cfg.keep_kv else None))
         call, reply = await future
         return self._response(session, call, reply, body)
 
@@ -320,8 +327,6 @@ class Endpoint:
         """A token's own bytes (a byte-level tokenizer's table: a token may hold part of a character),
         else its decoded text's."""
         if self._byte_table is False:
-            from keelrl.policy.decode import token_byte_table
-
             self._byte_table = token_byte_table(self.tokenizer)
         if self._byte_table is not None and token < len(self._byte_table):
             return self._byte_table[token]

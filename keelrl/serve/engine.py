@@ -13,8 +13,8 @@ reward.
 The contract of keelrl.rollout.engines holds: each step's requests are handed out as G episode
 tickets per group, in request order; a ticket of step s is handed out only once the endpoint
 holds weights of at least s - 1 - max_staleness (the async engine's rule), so no trajectory is
-staler than the bound; `publish` hands the endpoint new weights, loaded between decode steps
-when nothing is decoding. `batch(step)` returns the step's groups in request order.
+staler than the bound; `publish` hands the endpoint new weights (a merged state dict), which its
+decoder loads (`load_weights`) between decode steps when nothing is decoding. `batch(step)` returns the step's groups in request order.
 
 Nothing hangs silently: a harness that exits before the run ends, or makes no call for
 `rollout.harness_timeout_s`, stops `batch` with an error naming the sessions still open and
@@ -23,7 +23,6 @@ the harness's last output; its open episodes are kept, marked unfinished.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import os
@@ -37,7 +36,7 @@ from collections import deque
 from typing import Any, Callable
 
 from keelrl.envs.formats import format_of, prompt_tools
-from keelrl.policy.sampling import SamplingConfig
+from keelrl.inference import DecoderOptions, SamplingParams, own_copy
 from keelrl.rollout.build import ENGINES
 from keelrl.rollout.engines import RequestsFor, RolloutEngine, StepRollouts, staleness_metrics
 from keelrl.rollout.scheduler import EpisodeLimits, GroupRequest, GroupResult, episode_generator
@@ -62,9 +61,10 @@ class EndpointEngine(RolloutEngine):
     name = "endpoint"
 
     def __init__(self, requests_for: RequestsFor, *, model: Any, tokenizer: Any, make_env: Callable[[], Any],
-                 sampling: SamplingConfig, rollout: EpisodeLimits, max_staleness: int, harness: str = "",
+                 sampling: SamplingParams, rollout: EpisodeLimits, max_staleness: int, harness: str = "",
                  harness_timeout_s: float = 600.0, host: str = "127.0.0.1", port: int = 0, api_key: str = "",
-                 model_name: str = "keel-policy", seed: int = 0) -> None:
+                 model_name: str = "keel-policy", seed: int = 0,
+                 decoder_options: DecoderOptions = DecoderOptions()) -> None:
         super().__init__(requests_for, max_staleness)
         self.make_env, self.limits, self.harness_command = make_env, rollout, harness
         self.harness_timeout_s = harness_timeout_s
@@ -77,10 +77,10 @@ class EndpointEngine(RolloutEngine):
         if not getattr(format_of(self.tool_format), "native", False):
             raise ValueError(f"rollout.engine=endpoint needs a tool-call format an OpenAI-style API carries "
                              f"(env.tool_format=hermes or json), got {self.tool_format!r}")
-        own = copy.deepcopy(model).eval().requires_grad_(False)
+        own = own_copy(model)
         self.config = EndpointConfig(model_name=model_name, host=host, port=port, api_key=api_key,
                                      tool_format=self.tool_format, max_context_tokens=rollout.max_context_tokens,
-                                     sampling=sampling, fixed_sampling=True, seed=seed)
+                                     sampling=sampling, decoder=decoder_options, fixed_sampling=True, seed=seed)
         self.endpoint = Endpoint(own, tokenizer, self.config, source=self)
         self._cv = threading.Condition()
         self._tickets: deque[_Ticket] = deque()
@@ -385,4 +385,5 @@ def _endpoint(settings: Any, requests_for: RequestsFor, **parts: Any) -> Rollout
                           make_env=parts["make_env"], sampling=parts["sampling"], rollout=parts["rollout"],
                           max_staleness=settings.max_staleness, harness=settings.harness,
                           harness_timeout_s=settings.harness_timeout_s, host=settings.endpoint_host,
-                          port=settings.endpoint_port, api_key=settings.endpoint_key, seed=parts["seed"])
+                          port=settings.endpoint_port, api_key=settings.endpoint_key, seed=parts["seed"],
+                          decoder_options=parts["decoder_options"])

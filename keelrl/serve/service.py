@@ -13,10 +13,11 @@ loop can be driven from outside: `run(until)` samples in the calling thread (`ke
 main thread; the endpoint engine while the learner waits for a step's episodes), and the loop's
 own thread, when it has one, samples only while no caller drives.
 
-One stream samples with one `SamplingConfig`: jobs with other settings wait until the stream
-drains, then the oldest waiting job's settings start the next stream. New weights (`offer`) are
-loaded only when nothing is decoding: while they wait, no job is admitted, so the batch drains
-within one action and no completion mixes two versions. Each completion carries the version
+One stream samples with one `SamplingParams`: jobs with other settings wait until the stream
+drains, then the oldest waiting job's settings start the next stream. New weights (`offer`, a
+merged state dict) reach the decoder through its `load_weights(state, version)`
+(keelrl.inference.weights), only when nothing is decoding: while they wait, no job is admitted,
+so the batch drains within one action and no completion mixes two versions. Each completion carries the version
 of the weights that sampled it.
 
 A job's `done` callback runs on the loop thread as soon as its completion is sampled, before
@@ -34,8 +35,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from keelrl.policy.decoders import build_decoder
-from keelrl.policy.sampling import Sample, SamplingConfig
+from keelrl.inference import DecoderOptions, Sample, SamplingParams, build_decoder
 
 
 @dataclass(eq=False)
@@ -43,27 +43,28 @@ class Job:
     """One completion to sample."""
 
     context: list[int]
-    cfg: SamplingConfig
-    uniforms: Tensor
-    """[max_new_tokens] uniforms from the session's own generator."""
+    params: SamplingParams
+    uniforms: Tensor | None
+    """[max_new_tokens] uniforms from the session's own generator (None for a decoder that takes seeds)."""
     done: Callable[[Sample, int], None]
     """Called on the loop thread with the sample and the weights' version that made it."""
     failed: Callable[[BaseException], None]
     cache: Any = None
+    seed: int | None = None
+    """The row's seed from the session's generator, for a decoder that takes seeds, not uniforms."""
     queued: float = field(default_factory=time.monotonic)
 
 
 class DecodeLoop:
     """The loop thread and its queue (see the module docstring)."""
 
-    def __init__(self, model: Any, tokenizer: Any, sampling: SamplingConfig, version: int = 0,
+    def __init__(self, model: Any, tokenizer: Any, options: DecoderOptions = DecoderOptions(), version: int = 0,
                  thread: bool = True) -> None:
         """`thread`: run the loop in a thread of its own; False: the owner runs it (`run`), e.g. on the
         main thread, where torch's parallel kernels ran faster than on a second thread on 2-core CPUs
         (docs/bring-your-harness.md#what-it-costs)."""
         self.model = model
-        self.decoder = build_decoder(sampling.decoder, model, tokenizer, dtype=sampling.dtype,
-                                     max_batch=sampling.max_batch, kv_budget_mb=sampling.kv_budget_mb)
+        self.decoder = build_decoder(model, tokenizer, options)
         self.streaming = hasattr(self.decoder, "submit")
         self._stream: Any = self.decoder
         """The decoder as a stream (submit, step, in_flight), where `streaming`."""
@@ -165,7 +166,7 @@ class DecodeLoop:
                     if self._weights is not None and not self._in_flight():
                         state, version = self._weights
                         self._weights = None
-                        self.decoder.load_weights(state)
+                        self.decoder.load_weights(state, version)
                         self.version = version
                         self.stats["weight_loads"] += 1
                         self._cv.notify_all()
@@ -173,9 +174,8 @@ class DecodeLoop:
                 tick = time.monotonic()
                 if self.streaming:
                     if batch:
-                        tickets = self._stream.submit([job.context for job in batch], batch[0].cfg,
-                                                      torch.stack([job.uniforms for job in batch]),
-                                                      caches=[job.cache for job in batch])
+                        tickets = self._stream.submit([job.context for job in batch], batch[0].params,
+                                                      caches=[job.cache for job in batch], **self._randomness(batch))
                         self._tickets.update(zip(tickets, batch))
                     if self._tickets:
                         finished = self._stream.step()
@@ -183,9 +183,8 @@ class DecodeLoop:
                         for ticket, sample in finished:
                             self._finish(self._tickets.pop(ticket), sample)
                 elif batch:
-                    samples = self.decoder.generate([job.context for job in batch], batch[0].cfg,
-                                                    torch.stack([job.uniforms for job in batch]),
-                                                    caches=[job.cache for job in batch])
+                    samples = self.decoder.generate([job.context for job in batch], batch[0].params,
+                                                    caches=[job.cache for job in batch], **self._randomness(batch))
                     for job, sample in zip(batch, samples):
                         self._finish(job, sample)
                 self.stats["busy_s"] += time.monotonic() - tick
@@ -210,13 +209,23 @@ class DecodeLoop:
         if self._weights is not None or not self._waiting:
             return []
         busy = self._in_flight() > 0
-        cfg = next(iter(self._tickets.values())).cfg if busy and self._tickets else self._waiting[0].cfg
-        batch = [job for job in self._waiting if job.cfg == cfg]
+        params = next(iter(self._tickets.values())).params if busy and self._tickets else self._waiting[0].params
+        batch = [job for job in self._waiting if job.params == params]
         if not self.streaming:
             batch = batch[: getattr(self.decoder, "max_batch", 64)]
         for job in batch:
             self._waiting.remove(job)
         return batch
+
+    @property
+    def takes_uniforms(self) -> bool:
+        """The decoder samples by per-token uniforms (else it takes a seed per row)."""
+        return bool(getattr(self.decoder, "takes_uniforms", True))
+
+    def _randomness(self, batch: list[Job]) -> dict[str, Any]:
+        if all(job.uniforms is not None for job in batch):
+            return {"uniforms": torch.stack([job.uniforms for job in batch if job.uniforms is not None])}
+        return {"seeds": [job.seed for job in batch]}
 
     def _finish(self, job: Job, sample: Sample) -> None:
         self.stats["jobs"] += 1

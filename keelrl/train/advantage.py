@@ -3,7 +3,8 @@
 In this order, all without gradients:
 1. the no-grad passes: the policy's proximal log-probs (with the critic's values and, for the
    process reward model, the hidden states at labelled turns) unless the update's own pass
-   gives them (`prox_from_update`), and the frozen reference's log-probs;
+   gives them (`prox_from_update`), and the frozen reference's log-probs (a LoRA policy's
+   reference: the policy's own model, its adapter off or as RL started, keelrl.policy.lora);
 2. the outcome reward (with `algo.overlong=penalty`, plus DAPO's soft overlong punishment:
    keelrl.algos.overlong) on the last action token, each turn's own reward (`Batch.step_rewards`:
    an environment's per-turn reward, e.g. the coding environment's potential-based shaping) on
@@ -28,6 +29,7 @@ Every step logs `train/overlong_frac`, the share of the batch's episodes a limit
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +45,7 @@ from keelrl.algos.distill import sampled_reverse_kl
 from keelrl.algos.losses import kl_reward_penalty
 from keelrl.algos.overlong import overlong_filter, overlong_shaping
 from keelrl.config import KeelConfig
+from keelrl.policy.lora import AdapterReference
 from keelrl.policy.prefix import chunked_token_logprobs
 from keelrl.rollout.trajectory import Batch
 from keelrl.train.distill import Teacher, TeacherView
@@ -172,6 +175,8 @@ class AdvantageStage:
         """Steps 1-7 of the module docstring over `batch`. `teacher_view`: the teacher's side of
         the batch (distillation); `sampled_by_teacher`: the teacher sampled the batch (step 6)."""
         algo, temperature = self.cfg.algo, self.cfg.rollout.temperature
+        if self.model is not None:  # no dropout in the no-grad passes (model.lora.dropout); the updates train() it again
+            self.model.eval()
         mask = batch.action_mask
         budget = self.cfg.perf.micro_batch_tokens
         keys = prefix_keys(self.cfg.perf, batch)
@@ -191,8 +196,11 @@ class AdvantageStage:
             token_rewards = token_rewards + batch.step_rewards.to(token_rewards.dtype).masked_fill(~mask, 0.0)
         ref_logp = None
         if self.reference is not None:
-            with self.autocast():
-                ref_logp = chunked_token_logprobs(self.reference, batch.input_ids, batch.attention_mask,
+            # a LoRA policy's reference runs on the policy's own model (keelrl.policy.lora.AdapterReference)
+            adapter = isinstance(self.reference, AdapterReference)
+            reference = self.reference.model if adapter else self.reference
+            with self.reference.active() if adapter else contextlib.nullcontext(), self.autocast():
+                ref_logp = chunked_token_logprobs(reference, batch.input_ids, batch.attention_mask,
                                                   max_tokens=budget, positions=mask, temperature=temperature,
                                                   keys=keys)["logp"]
             if algo.kl_in_reward:

@@ -7,14 +7,14 @@ success that is sqrt(p (1 - p) / (n - 1)) with the unbiased variance). Comparing
 evaluations on the same tasks, the paired standard error of the difference is smaller than
 either alone; `paired_difference` gives it.
 
-`Evaluator.evaluate` runs the held-out episodes with the policy as evaluation samples it (itself,
-or a copy of its current weights in `eval.dtype`) and the strong verifier, and reports
-them, with the process reward model's accuracy on their labelled turns when a run has one.
+`Evaluator.evaluate` runs the held-out episodes with the policy's current weights, handed to the
+evaluation's decoder through the weights seam (`keelrl.inference.weights`) and sampled in
+`eval.dtype`, and the strong verifier, and reports them, with the process reward model's
+accuracy on their labelled turns when a run has one.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from collections import defaultdict
 from typing import Any, Callable, Sequence
@@ -22,10 +22,10 @@ from typing import Any, Callable, Sequence
 import torch
 
 from keelrl.envs.formats import format_of
+from keelrl.inference import DecoderOptions, SamplingParams, deliver
 from keelrl.config import KeelConfig
 from keelrl.policy.precision import resolve_dtype
 from keelrl.policy.prefix import chunked_token_logprobs
-from keelrl.policy.sampling import SamplingConfig
 from keelrl.rollout.agent_loop import EpisodeLimits, model_actor, run_episodes
 from keelrl.rollout.trajectory import Trajectory, collate
 from keelrl.train.prm import ProcessRewardModel, classification_metrics, labelled_turns
@@ -160,34 +160,35 @@ class Evaluator:
         self.cfg, self.model, self.tokenizer, self.device = cfg, model, tokenizer, device
         self.edit_tools, self.test_tool, self.family = tuple(edit_tools), test_tool, family
         self.make_env, self.rollout, self.prm, self.autocast = make_env, rollout, prm, autocast
-        self._copy: Any = None
         self.last_report: dict[str, Any] | None = None
         """The latest evaluation's full report (per kind, per task), for summary.json."""
+        self._actor: tuple[Any, Any] | None = None
+        """(its sampling and decoder options, the actor) of the last evaluation, reused while they hold."""
 
-    def eval_model(self) -> Any:
-        """The policy as evaluation samples it: itself, or a copy of its current weights in
-        `eval.dtype` (auto: the faster of bf16 and float32 at decoding, as measured on this machine
-        and model: `keelrl.policy.precision.resolve_dtype`); the evaluation needs no behaviour
-        log-probs to match the learner's."""
+    def eval_dtype(self) -> torch.dtype:
+        """The dtype evaluation samples in: `eval.dtype` (auto: the faster of bf16 and float32 at
+        decoding, as measured on this machine and model: `keelrl.policy.precision.resolve_dtype`);
+        the evaluation needs no behaviour log-probs to match the learner's."""
         wanted, _ = resolve_dtype(self.cfg.eval.dtype, "eval", self.model, self.device)
-        if wanted == self.model.dtype:
-            return self.model
-        if self._copy is None:
-            self._copy = copy.deepcopy(self.model).to(wanted)
-        self._copy.load_state_dict(self.model.state_dict())  # cast into the copy's dtype
-        return self._copy.eval()
+        return wanted
 
-    def evaluate(self, tasks: Sequence[Any]) -> dict[str, float]:
-        """Held-out success with the strong verifier, one attempt per task of `tasks`."""
+    def evaluate(self, tasks: Sequence[Any], version: int = 0) -> dict[str, float]:
+        """Held-out success with the strong verifier, one attempt per task of `tasks`, under the
+        policy's current weights (policy `version`)."""
         tasks = list(tasks)
-        sampling = SamplingConfig(temperature=self.cfg.eval.temperature, top_p=1.0,
+        sampling = SamplingParams(temperature=self.cfg.eval.temperature, top_p=1.0,
                                   max_new_tokens=self.cfg.rollout.max_new_tokens, keep_kv=self.cfg.rollout.keep_kv,
-                                  decoder=self.cfg.rollout.decoder, kv_budget_mb=self.cfg.rollout.kv_budget_mb,
                                   stop=format_of(self.cfg.env.tool_format).stop)  # as the rollouts stop
+        options = DecoderOptions(decoder=self.cfg.rollout.decoder, dtype=self.eval_dtype(),
+                                 kv_budget_mb=self.cfg.rollout.kv_budget_mb, eager=self.cfg.rollout.eager)
         self.model.eval()
-        trajectories = run_episodes(self.make_env, tasks, self.tokenizer,
-                                    model_actor(self.eval_model(), self.tokenizer, sampling),
-                                    self.rollout, seed=self.cfg.seed + 7919)
+        if self._actor is None or self._actor[0] != (sampling, options):
+            # one decoder for every evaluation of the run (an engine like vLLM starts once), new weights each time
+            self._actor = ((sampling, options), model_actor(self.model, self.tokenizer, sampling, options))
+        act = self._actor[1]
+        deliver(act.decoder, self.model, version)  # type: ignore[union-attr]
+        trajectories = run_episodes(self.make_env, tasks, self.tokenizer, act, self.rollout,
+                                    seed=self.cfg.seed + 7919)
         report = heldout_report(trajectories, [getattr(task, "kind", "all") for task in tasks],
                                 None if self.family is None else [self.family(task) for task in tasks])
         agent = agent_report(trajectories, self.edit_tools, self.test_tool)

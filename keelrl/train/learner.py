@@ -37,6 +37,7 @@ from keelrl.algos.config import AlgoConfig
 from keelrl.algos.distill import forward_kl, generalized_jsd, reverse_kl, top_token_disagreement
 from keelrl.algos.losses import aggregate, token_view
 from keelrl.config import KeelConfig
+from keelrl.policy.lora import trainable_parameters
 from keelrl.policy.model import learner_autocast, row_lengths, split_rows, token_logprobs
 from keelrl.policy.prefix import micro_logprobs, plan_passes
 from keelrl.rollout.trajectory import Batch
@@ -206,8 +207,9 @@ def adamw(params: Sequence[torch.nn.Parameter], lr: float, weight_decay: float) 
         p.dtype.is_floating_point for p in params)
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
     if fused:
-        # The fused kernel writes the parameters without bumping their version counters, which is
-        # how a decoder notices new weights (keelrl.policy.decode.weights_stamp): bump them here.
+        # The fused kernel writes the parameters without bumping their version counters, by which a
+        # decoder sharing the model notices weights written without `load_weights` (the safety net
+        # of keelrl.inference.weights, `weights_stamp`): bump them here.
         optimizer.register_step_post_hook(lambda opt, args, kwargs: torch.autograd.graph.increment_version(
             [p for group in opt.param_groups for p in group["params"]]))
     return optimizer
@@ -223,9 +225,11 @@ class Learner:
         self.optimizer = self.new_optimizer()
 
     def parameters(self) -> list[torch.nn.Parameter]:
-        params = list(self.model.parameters())
+        """The parameters that train, the optimiser's: the policy's (a LoRA policy's adapters alone,
+        its base frozen: keelrl.policy.lora) and the critic's."""
+        params = trainable_parameters(self.model)
         if self.value_head is not None:
-            params += list(self.value_head.parameters())
+            params += trainable_parameters(self.value_head)
         return params
 
     def new_optimizer(self) -> torch.optim.Optimizer:
@@ -410,6 +414,6 @@ class Learner:
             if loss.requires_grad:  # rows without action tokens: nothing to learn from
                 loss.backward()
             loss_value += loss.item()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(trainable_parameters(self.model), self.cfg.optim.max_grad_norm)
         optimizer.step()
         return loss_value

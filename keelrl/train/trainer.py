@@ -13,7 +13,10 @@ One RL step (`Trainer.rl_step`) reads top to bottom:
 
 The reference model of the KL term is the policy as RL starts (after the warm start), frozen:
 the anchor is what RL began from, not the untrained initialisation. It is saved in the run
-directory (reference/) so a resumed run anchors to the same weights.
+directory (reference/) so a resumed run anchors to the same weights. A LoRA policy
+(`model.lora.rank` > 0) keeps no second model for it: its reference is its own base with the
+adapter off, or with a frozen copy of the adapter as RL started when a warm start trained it
+(`keelrl.policy.lora.AdapterReference`; reference/ then holds that adapter).
 
 Every `eval.every` steps (and before RL, after the warm start) the policy is evaluated on
 held-out tasks it never trains on, with the strong verifier, whatever the training verifier
@@ -44,11 +47,12 @@ from keelrl.components import check
 from keelrl.config import KeelConfig, dump_config, to_dict, with_paths
 from keelrl.envs.formats import format_of
 from keelrl.envs.registry import EnvSpec, resolve_env, settle_env
+from keelrl.inference import DecoderOptions, SamplingParams
 from keelrl.metrics import MetricsLogger
+from keelrl.policy import lora
 from keelrl.policy.critic import build_critic
-from keelrl.policy.model import load_policy, pin_to_cores, resolve_device
+from keelrl.policy.model import base_name, load_policy, pin_to_cores, resolve_device
 from keelrl.policy.precision import measurement, resolve_dtype
-from keelrl.policy.sampling import SamplingConfig
 from keelrl.rollout.agent_loop import EpisodeLimits, model_actor, run_episodes
 from keelrl.rollout.build import build_engine
 from keelrl.rollout.engines import RolloutEngine, StepRollouts
@@ -146,6 +150,10 @@ class Trainer:
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         self.model, self.tokenizer = load_policy(cfg.model.path, self.device)
+        # model.lora: a LoRA adapter on the policy, its base frozen (keelrl.policy.lora); the model stays
+        # the transformers model, peft's layers inside it
+        self.model = lora.settle(self.model, cfg.model.lora, path=cfg.model.path,
+                                 base=base_name(cfg.model.path) if cfg.model.lora.rank > 0 else "")
         if cfg.perf.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
         self.pad_id = self.tokenizer.pad_token_id
@@ -153,9 +161,14 @@ class Trainer:
         if cfg.algo.uses_critic:
             self.value_head = build_critic(cfg.model.critic, self.model, self.tokenizer, model_path=cfg.model.path,
                                            device=self.device, stop_gradient=cfg.model.value_stop_gradient)
-        self.reference = None
-        if cfg.algo.kl_coef > 0:
+        self.reference: Any = None
+        """The frozen KL reference: a model, or for a LoRA policy an `AdapterReference` (no second model)."""
+        if cfg.algo.kl_coef > 0 and lora.is_lora(self.model):
+            self.reference = lora.AdapterReference(self.model)
+        elif cfg.algo.kl_coef > 0:
             self.reference, _ = load_policy(cfg.model.path, self.device)
+            if lora.is_lora(self.reference):  # model.path holds an adapter; the run trains the merged model
+                self.reference = lora.merged_model(self.reference)
             self.reference.eval().requires_grad_(False)
         self.teacher: Teacher | None = None
         if cfg.distill.mode != "none":
@@ -193,6 +206,9 @@ class Trainer:
                                   {task.id: getattr(task, "kind", "") for task in self.train_tasks},
                                   lambda event, info: self.progress(event, info))  # train() may swap it
         self.step = 0
+        self.policy_version = 0
+        """The policy version the model holds (updates done): ahead of `step` between a step's
+        update and the end of its logging (its evaluation runs then)."""
         self.skipped_steps = 0
         self.summary: dict[str, Any] = {}
 
@@ -231,20 +247,25 @@ class Trainer:
         engine (override to wrap them, e.g. in bench/)."""
         return self.env_spec.train_env(self.cfg)
 
-    def rollout_sampling(self) -> SamplingConfig:
+    def rollout_sampling(self) -> SamplingParams:
         """How training rollouts sample actions (override for other stop strings, as bench/ does)."""
         r = self.cfg.rollout
-        return SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                              keep_kv=r.keep_kv, decoder=r.decoder, dtype=getattr(torch, self.precision["rollout"]["dtype"]),
-                              kv_budget_mb=r.kv_budget_mb, stop=format_of(self.cfg.env.tool_format).stop)
+        return SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                              keep_kv=r.keep_kv, stop=format_of(self.cfg.env.tool_format).stop)
+
+    def decoder_options(self) -> DecoderOptions:
+        """The rollout decoder (rollout.decoder, its dtype as resolved, rollout.kv_budget_mb)."""
+        r = self.cfg.rollout
+        return DecoderOptions(decoder=r.decoder, dtype=getattr(torch, self.precision["rollout"]["dtype"]),
+                              kv_budget_mb=r.kv_budget_mb, eager=r.eager)
 
     def make_engine(self, last_step: int | None = None) -> RolloutEngine:
         """The configured rollout engine over this trainer's policy and training environment; it
         sends no requests ahead past `last_step` (default: train.steps)."""
         engine = build_engine(self.cfg.rollout, self.requests_for, model=self.model, model_path=self.cfg.model.path,
                               tokenizer=self.tokenizer, make_env=self.train_env_factory(),
-                              sampling=self.rollout_sampling(), rollout=self._limits(),
-                              seed=self.cfg.seed)
+                              sampling=self.rollout_sampling(), decoder_options=self.decoder_options(),
+                              rollout=self._limits(), seed=self.cfg.seed)
         engine.last_step = self.cfg.train.steps if last_step is None else last_step
         return engine
 
@@ -252,11 +273,14 @@ class Trainer:
         """SFT on the scripted teacher's successful trajectories over training tasks (keelrl.train.warm_start)."""
         return warm_start(self.cfg, self.env_spec, self.train_tasks, self._env(training=True), self._limits(),
                           self.tokenizer, self.learner, self.progress,
-                          student=lambda: model_actor(self.model, self.tokenizer, self.rollout_sampling()))
+                          student=lambda: model_actor(self.model, self.tokenizer, self.rollout_sampling(),
+                                                      self.decoder_options()))
 
     def evaluate(self, tasks: Sequence[Any] | None = None) -> dict[str, float]:
-        """Held-out success with the strong verifier, one attempt per task (keelrl.train.evaluation)."""
-        return self.evaluator.evaluate(self.heldout_tasks[: self.cfg.eval.tasks] if tasks is None else tasks)
+        """Held-out success with the strong verifier, one attempt per task (keelrl.train.evaluation),
+        under the current weights (`policy_version`)."""
+        return self.evaluator.evaluate(self.heldout_tasks[: self.cfg.eval.tasks] if tasks is None else tasks,
+                                       version=self.policy_version)
 
     @property
     def last_eval_report(self) -> dict[str, Any] | None:
@@ -271,7 +295,8 @@ class Trainer:
         tasks = [request.task for request in requests for _ in range(request.group_size)]
         groups = [request.group_id for request in requests for _ in range(request.group_size)]
         trajectories = run_episodes(self._env(training=True), tasks, self.tokenizer,
-                                    model_actor(self.teacher.model, self.tokenizer, self.rollout_sampling()),
+                                    model_actor(self.teacher.model, self.tokenizer, self.rollout_sampling(),
+                                                self.decoder_options()),
                                     self._limits(), group_ids=groups, seed=requests[0].seed if requests else 0)
         return StepRollouts(trajectories, {"distill/teacher_histories": 1.0}, sampled_by_teacher=True)
 
@@ -406,6 +431,7 @@ class Trainer:
             total = self.cfg.train.steps
             engine = self.make_engine(last_step=total if stop_after is None else min(total, stop_after))
             try:
+                self.policy_version = self.step
                 engine.publish_model(self.model, self.step)
                 engine.start(self.step)
                 self.progress("phase", {"phase": "RL"})
@@ -413,6 +439,7 @@ class Trainer:
                     step, started = self.step + 1, time.monotonic()
                     rollouts = self.step_rollouts(engine, step)
                     row = self.rl_step(step, rollouts, started)
+                    self.policy_version = step
                     engine.publish_model(self.model, step)
                     if step % self.cfg.eval.every == 0 or step == total:
                         row.update(self.evaluate())

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from keelrl.config import KeelConfig
 from keelrl.envs.registry import EnvSpec, runs_own_mistakes
+from keelrl.policy.lora import trainable_parameters
 from keelrl.rollout.agent_loop import ActFn, EpisodeLimits, run_episodes, scripted_actor
 from keelrl.rollout.trajectory import Trajectory, collate
 from keelrl.train.learner import Learner, adamw
@@ -59,7 +60,7 @@ def warm_start(cfg: KeelConfig, env_spec: EnvSpec, train_tasks: Sequence[Any], m
         raise RuntimeError(f"warm start: none of the teacher's {ws.demos} demonstrations succeeded "
                            f"(env.max_turns={cfg.env.max_turns} may be too few for the task)")
     progress("warm_start", {"demos": len(demos), **({} if ws.imitate_mistakes else {"masked_turns": masked})})
-    optimizer = adamw(list(learner.model.parameters()), lr=ws.lr, weight_decay=0.01)  # torch's AdamW default
+    optimizer = adamw(trainable_parameters(learner.model), lr=ws.lr, weight_decay=0.01)  # torch's AdamW default
     losses = _sft(demos, ws.epochs, ws.batch_size, tokenizer, learner, optimizer, rng, progress, "warm_start_epoch")
     out = {"warm_start/demos": len(demos), "warm_start/final_loss": losses[-1] if losses else math.nan}
     if not ws.imitate_mistakes:

@@ -1,186 +1,136 @@
-"""Batched sampling with a KV cache, returning behaviour log-probabilities.
+"""The HF path: HF `generate` with keelrl's sampler (the reference decoder, `rollout.decoder=hf`).
 
 `sample` continues many contexts of different lengths at once (left-padded, positions taken
 from the attention mask so a padded row sees the same positions as an unpadded one), with
 temperature, top-p and stop strings (the run's tool-call format gives them: `env.tool_format`).
-For every sampled token it returns the log-probability under the distribution actually sampled
-from, i.e. after temperature and top-p: that is the behaviour policy mu of the importance ratio.
+Each row's tokens are drawn by `keelrl.inference.sampler` (`InverseCdfProcessor`), and for every
+sampled token it returns the log-probability under the distribution actually sampled from,
+i.e. after temperature and top-p: that is the behaviour policy mu of the importance ratio.
 
 Nothing is suppressed: the distribution sampled from is the model's whole distribution, the
 one the learner's log-probs come from, so ratios on fresh data are 1 even for a model whose
 padding token is its end-of-turn token (SmolLM2's is). Padding is told apart by the attention
 mask on the way in, and on the way out each row is cut where it ended, found from its own
-tokens (the first end-of-turn token, kept as the action's last token, or the end of the first
-stop string), never by looking for the padding id.
+tokens (`keelrl.inference.stops.row_end`), never by looking for the padding id.
 
 Rows with the same context (a GRPO group's attempts at one task) share its prefill: each
 distinct context runs once, and its keys and values are copied to its rows before decoding
 starts: the same tokens and log-probs as a prefill per row, in less time (measured:
 docs/measurements.md#shared-prompts).
 
-Multi-turn continuation (`SamplingConfig.keep_kv`): each row's keys and values come back with
+Multi-turn continuation (`SamplingParams.keep_kv`): each row's keys and values come back with
 its sample (`RowCache`, padding removed), and the row's next turn passes them in, so that turn
 runs only its new tokens (the action's last token and the observation) instead of the whole
 history. The tokens and log-probs are those of a turn that re-ran the history (tests check it
 in float64); `Sample.recomputed` counts what each call prefilled.
+
+`HFDecoder` is `sample` behind the decoder contract, in the model's dtype or in a copy of it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """How actions are sampled."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 160
-    stop: tuple[str, ...] = ("</call>",)
-    """Stop strings: a row ends after the token that completes one. The default is the call
-    format's; the trainer sets the run's format's (keelrl.envs.formats), which may be none."""
-    min_new_tokens: int = 0
-    """End tokens are held back (probability 0) until a row has this many: for benchmarks that
-    need exact lengths. The behaviour log-probs are then those of the held-back distribution."""
-    keep_kv: bool = False
-    """Keep each row's keys and values after a turn (`Sample.cache`), so the next turn of the same
-    episode runs only its new tokens (the last action token and the observation)."""
-    decoder: str = "auto"
-    """The decode engine (`keelrl.policy.decoders.DECODERS`): keel, hf or auto."""
-    dtype: Any = None
-    """The decoder's dtype (a torch.dtype; None: the model's own)."""
-    kv_budget_mb: int = 4096
-    """The keel decoder's memory for keys and values: its slots and the kept histories."""
-    max_batch: int = 64
-    """Sequences the keel decoder decodes at once."""
+from keelrl.inference.kv import RowCache
+from keelrl.inference.params import Sample, SamplingParams
+from keelrl.inference.sampler import InverseCdfProcessor, row_uniforms
+from keelrl.inference.stops import end_token_ids, row_end
+from keelrl.inference.weights import SharedWeights, merged_state, own_copy
 
 
-@dataclass
-class RowCache:
-    """One row's keys and values after a turn, without padding: the part of its next context that
-    need not run again.
+class HFDecoder:
+    """HF `generate` with keelrl's sampler (`sample`), in the model's own dtype, or in a copy of it
+    in `dtype`, refreshed when the model's weights change."""
 
-    `token_ids` are the tokens they belong to: the context and the action but its last token
-    (that one was sampled, never fed). Keys carry their rotary positions 0..n-1, so a later batch
-    may lay the row out with any padding, positions again counted from its attention mask.
-    """
+    takes_uniforms = True
+    shares_model = True
 
-    token_ids: tuple[int, ...]
-    keys: list[Tensor]
-    """Per layer [kv_heads, n, head_dim]."""
-    values: list[Tensor]
-    made_under: Any = None
-    """The weights they were made under, when a decoder records it (`keelrl.policy.decoders`)."""
+    def __init__(self, model: Any, tokenizer: Any, dtype: torch.dtype | None = None) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.dtype = dtype or next(model.parameters()).dtype
+        self.shared = SharedWeights(model)
+        self._copy: Any = None
+        self._copy_serial: int | None = None
+        self.stats = {"calls": 0.0}
 
-    def covers(self, context: Sequence[int]) -> bool:
-        """Whether these are the keys and values of a proper prefix of `context`."""
-        n = len(self.token_ids)
-        return n < len(context) and tuple(context[:n]) == self.token_ids
+    @property
+    def version(self) -> int:
+        """The policy version of the weights last loaded (`load_weights`)."""
+        return self.shared.version
 
+    def load_weights(self, state: Any, version: int) -> None:
+        """New weights, policy `version`: a merged state dict (loaded into the model), or the model
+        (read as it is now). Kept caches of older weights are not used again."""
+        self.shared.load(state, version)
 
-@dataclass
-class Sample:
-    """One continuation: its tokens, their behaviour log-probs, and why it stopped."""
+    def runner(self) -> Any:
+        """The model that samples: the model itself (with its adapter, if any), or a plain copy of it in
+        `dtype` holding its current merged weights (`keelrl.inference.weights.merged_state`)."""
+        if self.dtype == next(self.model.parameters()).dtype:
+            return self.model
+        serial = self.shared.current()
+        if self._copy is None:
+            self._copy = own_copy(self.model).to(self.dtype)
+            self._copy_serial = None
+        if serial != self._copy_serial:
+            self._copy.load_state_dict(merged_state(self.model))  # cast into the copy's dtype
+            self._copy_serial = serial
+        return self._copy
 
-    token_ids: list[int]
-    logprobs: list[float]
-    text: str
-    stopped: str
-    """stop (a stop string or end token) | length (max_new_tokens)."""
-    cache: Any = None
-    """With `SamplingConfig.keep_kv`: this row's keys and values for its next turn (a `RowCache`,
-    or a decoder's handle on keys and values it keeps)."""
-    recomputed: int = 0
-    """Context tokens this call ran through the model for the row: its prefill (a context shared by
-    several rows is prefilled on its first row; the others run only its last token)."""
+    def generate(self, contexts: Sequence[Sequence[int]], params: SamplingParams, uniforms: Tensor | None = None,
+                 caches: Sequence[Any] | None = None, *, seeds: Sequence[int] | None = None) -> list[Sample]:
+        self.stats["calls"] += 1
+        uniforms = row_uniforms(len(contexts), params, uniforms, seeds)
+        runner = self.runner()
+        serial = self.shared.current()
+        if caches is not None:  # keys and values of other weights are not this policy's
+            caches = [c if c is not None and getattr(c, "made_under", None) == serial else None for c in caches]
+        samples = sample(runner, self.tokenizer, contexts, params, uniforms=uniforms, caches=caches)
+        for s in samples:
+            if s.cache is not None:
+                s.cache.made_under = serial
+        return samples
 
-
-class _InverseCdfSampler:
-    """A logits processor that draws each row's token itself, from that row's own uniforms.
-
-    Given raw scores [B, V] at generation position t, it applies temperature and top-p, draws
-    row b's token by inverting the CDF at `uniforms[b, t]` (greedy when temperature is 0),
-    records its log-probability under that distribution, and returns scores that make the
-    chosen token the argmax, so `generate` runs greedily over our choices. A row's tokens thus
-    depend only on its own context, weights and uniforms, never on which other rows share the
-    batch or on the global RNG (which a learner thread may be using at the same time).
-    """
-
-    def __init__(self, cfg: SamplingConfig, uniforms: Tensor) -> None:
-        self.cfg = cfg
-        self.uniforms = uniforms  # [B, max_new_tokens], in (0, 1]
-        self.position = 0
-        self.logprobs: list[Tensor] = []
-
-    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
-        logits = scores.float()
-        if self.cfg.temperature > 0:
-            logits = logits / self.cfg.temperature
-            if self.cfg.top_p < 1.0:
-                sorted_logits, order = logits.sort(-1, descending=True)
-                probs = sorted_logits.softmax(-1)
-                drop = probs.cumsum(-1) - probs > self.cfg.top_p  # keeps the smallest prefix reaching top_p
-                logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-            logp = torch.log_softmax(logits, -1)
-            cdf = logp.exp().cumsum(-1)
-            u = self.uniforms[:, self.position].to(cdf.device).unsqueeze(-1) * cdf[:, -1:]
-            chosen = torch.searchsorted(cdf, u).clamp(max=logits.shape[-1] - 1).squeeze(-1)
-        else:
-            logp = torch.log_softmax(logits, -1)
-            chosen = logits.argmax(-1)
-        self.position += 1
-        self.logprobs.append(logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1))
-        forced = torch.full_like(scores, float("-inf"))
-        return forced.scatter(-1, chosen.unsqueeze(-1), 0.0)
-
-
-def draw_uniforms(generator: torch.Generator, count: int) -> Tensor:
-    """`count` uniforms in (0, 1] from `generator` (a zero would select a zero-probability token)."""
-    return 1.0 - torch.rand(count, generator=generator, dtype=torch.float64)
+    def cache_usage(self) -> dict[str, float]:
+        return dict(self.stats)
 
 
 @torch.no_grad()
-def sample(model: Any, tokenizer: Any, contexts: Sequence[Sequence[int]], cfg: SamplingConfig,
-           generator_seed: int | None = None, uniforms: Tensor | None = None, share_prompts: bool = True,
-           caches: Sequence[RowCache | None] | None = None) -> list[Sample]:
+def sample(model: Any, tokenizer: Any, contexts: Sequence[Sequence[int]], params: SamplingParams,
+           uniforms: Tensor | None = None, share_prompts: bool = True,
+           caches: Sequence[RowCache | None] | None = None, seeds: Sequence[int] | None = None) -> list[Sample]:
     """Continue each token-id context; returns one Sample per context, in order.
 
     `share_prompts`: prefill each distinct context once for all the rows that have it.
     `caches`: a row's `RowCache` from its previous turn (used when it covers a prefix of the
-    row's context, ignored otherwise); with them, or with `cfg.keep_kv`, the call runs
+    row's context, ignored otherwise); with them, or with `params.keep_kv`, the call runs
     `_continue` (each row's cached prefix is not run again).
 
-    Randomness: row b uses `uniforms[b]` ([B, >= max_new_tokens] in (0, 1]); without them, rows
-    draw from one generator seeded with `generator_seed` (random when None). With per-row
-    uniforms from per-episode generators, an episode's actions do not depend on its batch.
+    Randomness: row b uses `uniforms[b]` ([B, >= max_new_tokens] in (0, 1]); without them, those
+    drawn from `seeds[b]`, else from one generator seeded with `params.seed` (random when None):
+    `keelrl.inference.sampler.row_uniforms`. With per-row uniforms from per-episode generators, an
+    episode's actions do not depend on its batch.
     """
     if not contexts:
         return []
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id
-    if uniforms is None:
-        generator = torch.Generator()
-        generator.manual_seed(generator_seed if generator_seed is not None else int(torch.randint(2**62, ())))
-        uniforms = draw_uniforms(generator, len(contexts) * cfg.max_new_tokens).view(len(contexts), -1)
-    if uniforms.shape[0] != len(contexts) or uniforms.shape[1] < cfg.max_new_tokens:
-        raise ValueError(f"uniforms has shape {tuple(uniforms.shape)}; need [{len(contexts)}, >= {cfg.max_new_tokens}]")
-    if cfg.keep_kv or (caches is not None and any(c is not None for c in caches)):
-        return _continue(model, tokenizer, contexts, cfg, uniforms, caches)
+    uniforms = row_uniforms(len(contexts), params, uniforms, seeds)
+    if params.keep_kv or (caches is not None and any(c is not None for c in caches)):
+        return _continue(model, tokenizer, contexts, params, uniforms, caches)
     input_ids, attention = left_pad(contexts, pad)
     width = input_ids.shape[1]
     input_ids, attention = input_ids.to(device), attention.to(device)
     end_ids = list(end_token_ids(tokenizer))
-    sampler = _InverseCdfSampler(cfg, uniforms)
+    sampler = InverseCdfProcessor(params, uniforms, end_ids)
     prefilled = _shared_prefill(model, input_ids, attention, contexts) if share_prompts else {}
     out = model.generate(
         input_ids=input_ids, attention_mask=attention, do_sample=False, temperature=None, top_p=None, top_k=None,
-        max_new_tokens=cfg.max_new_tokens, stop_strings=list(cfg.stop) or None, tokenizer=tokenizer,
-        logits_processor=[sampler], pad_token_id=pad, eos_token_id=end_ids, **_length_kwargs(cfg), **prefilled,
+        max_new_tokens=params.max_new_tokens, stop_strings=list(params.stop) or None, tokenizer=tokenizer,
+        logits_processor=[sampler], pad_token_id=pad, eos_token_id=end_ids, **prefilled,
     )
     new_tokens = out[:, width:] if isinstance(out, Tensor) else out.sequences[:, width:]  # [B, N]
     logprobs = torch.stack(sampler.logprobs, dim=1)[:, :new_tokens.shape[1]]
@@ -190,7 +140,7 @@ def sample(model: Any, tokenizer: Any, contexts: Sequence[Sequence[int]], cfg: S
     seen: set[tuple[int, ...]] = set()
     for row in range(len(contexts)):
         tokens = token_rows[row]
-        length, finished = _row_end(tokenizer, tokens, end_ids, cfg.stop)
+        length, finished = row_end(tokenizer, tokens, end_ids, params.stop)
         text = tokenizer.decode(tokens[:length], skip_special_tokens=False)
         key = tuple(contexts[row])
         recomputed = 1 if (prefilled and key in seen) else len(key)  # a sharing row still runs its last token
@@ -200,7 +150,7 @@ def sample(model: Any, tokenizer: Any, contexts: Sequence[Sequence[int]], cfg: S
     return samples
 
 
-def _continue(model: Any, tokenizer: Any, contexts: Sequence[Sequence[int]], cfg: SamplingConfig, uniforms: Tensor,
+def _continue(model: Any, tokenizer: Any, contexts: Sequence[Sequence[int]], params: SamplingParams, uniforms: Tensor,
               caches: Sequence[RowCache | None] | None) -> list[Sample]:
     """`sample` over rows with cached prefixes: each row runs only what its cache does not cover.
 
@@ -263,7 +213,7 @@ def _continue(model: Any, tokenizer: Any, contexts: Sequence[Sequence[int]], cfg
         attention[row, width_c + width_s - len(suffix):] = 1
     input_ids, attention = input_ids.to(device), attention.to(device)
     end_ids = list(end_token_ids(tokenizer))
-    sampler = _InverseCdfSampler(cfg, uniforms)
+    sampler = InverseCdfProcessor(params, uniforms, end_ids)
     kwargs: dict[str, Any] = {}
     if width_c:
         from keelrl.policy.prefix import cache_kwarg
@@ -271,8 +221,8 @@ def _continue(model: Any, tokenizer: Any, contexts: Sequence[Sequence[int]], cfg
         kwargs[cache_kwarg(model.model)] = DynamicCache(ddp_cache_data=list(zip(keys, values)))
     out = model.generate(
         input_ids=input_ids, attention_mask=attention, do_sample=False, temperature=None, top_p=None, top_k=None,
-        max_new_tokens=cfg.max_new_tokens, stop_strings=list(cfg.stop) or None, tokenizer=tokenizer,
-        logits_processor=[sampler], pad_token_id=pad, eos_token_id=end_ids, **_length_kwargs(cfg), return_dict_in_generate=True,
+        max_new_tokens=params.max_new_tokens, stop_strings=list(params.stop) or None, tokenizer=tokenizer,
+        logits_processor=[sampler], pad_token_id=pad, eos_token_id=end_ids, return_dict_in_generate=True,
         use_cache=True, **kwargs,
     )
     start = width_c + width_s
@@ -284,10 +234,10 @@ def _continue(model: Any, tokenizer: Any, contexts: Sequence[Sequence[int]], cfg
     samples = []
     for row in range(rows):
         tokens = token_rows[row]
-        length, finished = _row_end(tokenizer, tokens, end_ids, cfg.stop)
+        length, finished = row_end(tokenizer, tokens, end_ids, params.stop)
         text = tokenizer.decode(tokens[:length], skip_special_tokens=False)
         row_cache: RowCache | None = None
-        if cfg.keep_kv:
+        if params.keep_kv:
             n, s = cached[row], len(suffixes[row])
             kept = torch.cat([torch.arange(width_c - n, width_c), torch.arange(start - s, start),
                               torch.arange(start, start + max(0, length - 1))]).to(device)
@@ -309,11 +259,6 @@ def left_pad(contexts: Sequence[Sequence[int]], pad: int) -> tuple[Tensor, Tenso
             input_ids[row, width - len(ids):] = torch.tensor(list(ids), dtype=torch.long)
             attention[row, width - len(ids):] = 1
     return input_ids, attention
-
-
-def _length_kwargs(cfg: SamplingConfig) -> dict[str, Any]:
-    """`generate`'s min_new_tokens when one is asked for (else the model's generation_config decides)."""
-    return {"min_new_tokens": cfg.min_new_tokens} if cfg.min_new_tokens > 0 else {}
 
 
 def _prefill_caches(model: Any, contexts: Sequence[Sequence[int]], pad: int, device: torch.device) -> list[RowCache]:
@@ -369,49 +314,3 @@ def _shared_prefill(model: Any, input_ids: Tensor, attention: Tensor, contexts: 
     return {cache_kwarg(model.model): cache}
 
 
-def end_token_ids(tokenizer: Any) -> tuple[int, ...]:
-    """The tokens that end a model's turn: eos and its chat template's end-of-turn token."""
-    from keelrl.policy.chat import ChatFormat, ChatTemplateError
-
-    try:
-        return ChatFormat.of(tokenizer).end_token_ids
-    except ChatTemplateError:
-        return (int(tokenizer.eos_token_id),) if tokenizer.eos_token_id is not None else ()
-
-
-def _row_end(tokenizer: Any, tokens: list[int], end_ids: Sequence[int], stop: Sequence[str]) -> tuple[int, bool]:
-    """(length, finished) of one generated row, from its tokens alone (padding is never consulted).
-
-    The row ends after its first end-of-turn token (kept: the model learns to end its turn) or
-    after the token that completes its first stop string, whichever comes first.
-    """
-    ends = [i + 1 for i, token in enumerate(tokens) if token in end_ids][:1]
-    if stop and any(s in tokenizer.decode(tokens[:ends[0] if ends else len(tokens)], skip_special_tokens=False)
-                    for s in stop):
-        low, high = 1, ends[0] if ends else len(tokens)  # the shortest prefix holding a stop string
-        while low < high:
-            middle = (low + high) // 2
-            text = tokenizer.decode(tokens[:middle], skip_special_tokens=False)
-            if any(s in text for s in stop):
-                high = middle
-            else:
-                low = middle + 1
-        return low, True
-    if ends:
-        return ends[0], True
-    return len(tokens), False
-
-
-def recompute_logprobs(model: Any, sequences: Sequence[Sequence[int]], pad_id: int) -> list[Tensor]:
-    """log pi(token_t | prefix) for every position t >= 1 of each sequence (right-padded batch)."""
-    from keelrl.policy.model import token_logprobs
-
-    device = next(model.parameters()).device
-    width = max(len(ids) for ids in sequences)
-    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long, device=device)
-    attention = torch.zeros_like(input_ids)
-    for row, ids in enumerate(sequences):
-        input_ids[row, :len(ids)] = torch.tensor(list(ids), device=device)
-        attention[row, :len(ids)] = 1
-    logp = token_logprobs(model, input_ids, attention)["logp"]
-    return [logp[row, :len(ids)] for row, ids in enumerate(sequences)]

@@ -1,0 +1,170 @@
+"""The keel decoder's forward pass, written for the Llama family (llama, mistral without a sliding
+window, qwen2 without sliding layers): RMSNorm, rotary embeddings from the model's own rotary
+module, grouped-query attention over the slot cache, gated MLP.
+
+One call runs a step's packed tokens (`StepBatch`): the next token of every decoding slot first,
+then chunks of prompt tokens being prefilled, each written into its slot's keys and values
+before attending. Decode queries attend over the dense range of slots 0..A-1 (masked past each
+row's length), a prefill chunk over its own slot, causally.
+
+What this does NOT do: sliding-window attention, q/k norms (qwen3), other architectures (use
+`rollout.decoder=hf`), paged KV blocks shared between live sequences, CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from keelrl.inference.kv import SlotCache
+from keelrl.inference.weights import FusedWeights, base_model
+
+SUPPORTED = ("llama", "mistral", "qwen2")
+"""`config.model_type`s whose forward pass is written here."""
+
+
+class UnsupportedModelError(ValueError):
+    """The keel decoder has no forward pass for this model; the message names the way out."""
+
+
+def unsupported_reason(config: Any) -> str | None:
+    """Why the keel decoder cannot run a model with this config, or None when it can."""
+    kind = getattr(config, "model_type", None)
+    if kind not in SUPPORTED:
+        return f"model_type {kind!r} is not one of {', '.join(SUPPORTED)}"
+    if kind == "mistral" and getattr(config, "sliding_window", None):
+        return "mistral with a sliding window"
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        return "sliding-window attention layers"
+    return None
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """As LlamaRMSNorm: normalised in float32 (also a float64 model's), scaled in the input's dtype."""
+    wide = x.to(torch.float32)
+    wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * wide.to(x.dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def activation(name: str) -> Any:
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
+
+
+@dataclass
+class StepBatch:
+    """One step's packed tokens: `n_decode` decoding slots' next tokens first, then prefill chunks."""
+
+    ids: Tensor
+    """[N] token ids."""
+    slots: Tensor
+    """[N] the slot of each token."""
+    positions: Tensor
+    """[N] each token's position in its sequence."""
+    n_decode: int
+    n_active: int
+    """Slots in use (0..n_active-1)."""
+    lengths: Tensor
+    """[n_active] keys each slot's decode query attends to."""
+    width: int
+    """The longest decoding sequence: decode attention runs over keys 0..width-1."""
+    prefill: list[tuple[int, int, int]]
+    """(slot, start, take) of each prefill chunk, in packing order."""
+
+
+class LlamaForward:
+    """The forward pass over a model's config and rotary module, in the decode `dtype`."""
+
+    def __init__(self, model: Any, dtype: torch.dtype, device: torch.device) -> None:
+        reason = unsupported_reason(model.config)
+        if reason is not None:
+            raise UnsupportedModelError(f"keelrl's decoder cannot run this model ({reason}); "
+                                        f"set rollout.decoder=hf to sample with HF generate")
+        config = model.config
+        self.config, self.dtype, self.device = config, dtype, device
+        self.rotary = base_model(model).model.rotary_emb
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.layers = config.num_hidden_layers
+        self.act = activation(config.hidden_act)
+
+    def __call__(self, weights: FusedWeights, cache: SlotCache, batch: StepBatch) -> Tensor:
+        """Hidden states [N, H] after the last layer for the batch's tokens (their keys and values
+        written into `cache` on the way)."""
+        ids, slot_t, pos_t, n_decode, n_active = batch.ids, batch.slots, batch.positions, batch.n_decode, batch.n_active
+        x = weights.embed[ids]  # [N, H]
+        cos, sin = self.rotary(x[None], pos_t[None])
+        cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [N, 1, D]
+        heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
+        group = heads // kv_heads
+        scale = d ** -0.5
+        soft_dtype = torch.promote_types(self.dtype, torch.float32)
+        n = ids.shape[0]
+        width = batch.width
+        key_range = torch.arange(width, device=self.device)
+        decode_mask = key_range[None, :] < batch.lengths[:, None]  # [A, W]
+        decode_slots = slot_t[:n_decode]
+        # A slot range of the cache is strided (its rows are `capacity` apart): float32 matmuls read
+        # it in place, but 16-bit ones take a slow path on it, slower than a dense copy and a fast one.
+        dense = (lambda t: t.contiguous()) if self.dtype in (torch.bfloat16, torch.float16) else (lambda t: t)
+        hidden_future = [~(torch.arange(start + take, device=self.device)[None, :]
+                           <= torch.arange(start, start + take, device=self.device)[:, None])
+                         for _, start, take in batch.prefill]  # [c, L] per prefill chunk: keys after the query
+        for layer, w in enumerate(weights.layers):
+            h = rms_norm(x, w["ln1"], w["ln1_eps"])
+            qkv = torch.nn.functional.linear(h, w["qkv"], w["qkv_bias"])
+            qk = qkv[:, :(heads + kv_heads) * d].view(n, heads + kv_heads, d)
+            qk = qk * cos + rotate_half(qk) * sin  # queries and keys rotated together
+            q, k = qk[:, :heads], qk[:, heads:]
+            v = qkv[:, (heads + kv_heads) * d:].view(n, kv_heads, d)
+            cache_k, cache_v = cache.keys[layer], cache.values[layer]
+            cache_k[slot_t, :, pos_t] = k
+            cache_v[slot_t, :, pos_t] = v
+            out = torch.empty((n, heads, d), dtype=x.dtype, device=x.device)
+            if n_decode:
+                # one query per sequence: its query heads of a kv head attend as a group of queries
+                if n_decode == n_active:  # every slot decodes, in slot order: no scatter
+                    q_all = q[:n_decode].view(n_decode, kv_heads, group, d)
+                else:
+                    q_all = torch.zeros((n_active, kv_heads, group, d), dtype=x.dtype, device=x.device)
+                    q_all[decode_slots] = q[:n_decode].view(n_decode, kv_heads, group, d)
+                keys = dense(cache_k[:n_active, :, :width])  # [A, KVH, W, D]
+                scores = torch.matmul(q_all, keys.transpose(-1, -2)) * scale  # [A, KVH, G, W]
+                scores = scores.masked_fill(~decode_mask[:, None, None, :], float("-inf"))
+                probs = torch.softmax(scores, dim=-1, dtype=soft_dtype).to(x.dtype)
+                attended = torch.matmul(probs, dense(cache_v[:n_active, :, :width]))  # [A, KVH, G, D]
+                picked = attended if n_decode == n_active else attended[decode_slots]
+                out[:n_decode] = picked.reshape(n_decode, heads, d)
+            offset = n_decode
+            for (s, start, take), future in zip(batch.prefill, hidden_future):
+                span = start + take
+                q_p = q[offset:offset + take].view(take, kv_heads, group, d).permute(1, 2, 0, 3)  # [KVH, G, c, D]
+                keys = dense(cache_k[s, :, :span])  # [KVH, L, D]
+                scores = torch.matmul(q_p.reshape(kv_heads, group * take, d), keys.transpose(-1, -2)) * scale
+                scores = scores.view(kv_heads, group, take, span)
+                scores = scores.masked_fill(future, float("-inf"))
+                probs = torch.softmax(scores, dim=-1, dtype=soft_dtype).to(x.dtype)
+                attended = torch.matmul(probs.view(kv_heads, group * take, span), dense(cache_v[s, :, :span]))
+                out[offset:offset + take] = attended.view(kv_heads, group, take, d).permute(2, 0, 1, 3).reshape(take, heads, d)
+                offset += take
+            x = x + torch.nn.functional.linear(out.view(n, heads * d), w["o"], w["o_bias"])
+            h = rms_norm(x, w["ln2"], w["ln2_eps"])
+            gate_up = torch.nn.functional.linear(h, w["gate_up"], w["gate_up_bias"])
+            gate, up = gate_up.chunk(2, dim=-1)
+            x = x + torch.nn.functional.linear(self.act(gate) * up, w["down"], w["down_bias"])
+        return x
+
+    def logits(self, weights: FusedWeights, hidden: Tensor) -> Tensor:
+        """float32 next-token logits [R, V] (as HF's scores) from last-layer hidden states [R, H]."""
+        h = rms_norm(hidden, weights.norm, weights.norm_eps)
+        return torch.nn.functional.linear(h, weights.head, weights.head_bias).float()
