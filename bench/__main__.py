@@ -35,8 +35,22 @@ BENCHES: dict[str, tuple[str, str]] = {
     "gpu": ("bench.gpu", "GPU profile"),
     "mismatch": ("bench.bench_mismatch", "Sampler/learner precision mismatch and the rollout corrections"),
     "endpoint": ("bench.bench_endpoint", "Harness sessions through the endpoint against the in-process loop"),
+    "vllm": ("bench.bench_vllm", "keel's decoder against vLLM and HF generate"),
+    "lora": ("bench.bench_lora", "LoRA against full fine-tuning"),
 }
 """name -> (module, title), in the order they run and are reported."""
+
+
+OWN_VENV = {"bench.bench_vllm": ROOT / ".venv-vllm" / "bin" / "python"}
+"""Benchmarks that run in a venv of their own (vLLM's pins differ from ours: `bash .ci/vllm` builds it)."""
+
+
+def python_for(module: str) -> str:
+    """The interpreter a benchmark runs in: its own venv's, else this one."""
+    own = OWN_VENV.get(module)
+    if own is not None and not own.exists():
+        raise SystemExit(f"{module} runs in {own.parent.parent}, which is not built: bash .ci/vllm -k nothing")
+    return str(own) if own is not None else sys.executable
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -58,7 +72,7 @@ def run_one(name: str, args: argparse.Namespace) -> tuple[Section | None, str]:
     module, _ = BENCHES[name]
     out = args.out / name
     (out / "section.json").unlink(missing_ok=True)
-    command = [sys.executable, "-m", module, "--out", str(out)] + (["--smoke"] if args.smoke else [])
+    command = [python_for(module), "-m", module, "--out", str(out)] + (["--smoke"] if args.smoke else [])
     print(f"== {name}: {' '.join(command[1:])}", flush=True)
     started = time.perf_counter()
     try:

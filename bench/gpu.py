@@ -77,6 +77,7 @@ section then says so, gives no MFU, and measures nothing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import resource
 import statistics
@@ -326,6 +327,39 @@ class LearnerBatch:
     group_ids: Tensor
 
 
+def vllm_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def vllm_sampling(model: Any, tokenizer: Any, contexts: Sequence[Sequence[int]], new_tokens: int, dtype: torch.dtype,
+                  args: argparse.Namespace) -> dict[str, Any]:
+    """The same rows through `rollout.decoder=vllm` (keelrl.inference.vllm_decoder), where vLLM is
+    installed: exactly `new_tokens` a row, one seed a row; its start-up (the model written to a
+    folder, the engine built, compiled unless --smoke) timed apart from the call."""
+    from keelrl.inference import DecoderOptions, build_decoder
+
+    tick = time.perf_counter()
+    decoder = build_decoder(model, tokenizer, DecoderOptions(decoder="vllm", dtype=dtype, max_batch=len(contexts),
+                                                             kv_budget_mb=16384, eager=args.tiny))
+    start_s = time.perf_counter() - tick
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, stop=())
+    decoder.generate(contexts[:2], dataclasses.replace(params, max_new_tokens=8, min_new_tokens=8), seeds=[0, 1])
+    synchronize(next(model.parameters()).device)
+    clock = Clock()
+    samples = decoder.generate(contexts, params, seeds=list(range(len(contexts))))
+    timing = clock.read()
+    tokens = sum(len(s.token_ids) for s in samples)
+    if tokens != len(contexts) * new_tokens:
+        raise RuntimeError(f"vllm generated {tokens} tokens, not {len(contexts)} rows x {new_tokens}")
+    decoder.close()
+    log(f"vllm sampler: {tokens} tokens in {timing['wall_s']:.2f} s = {tokens / timing['wall_s']:.1f} tokens/s "
+        f"(start-up {start_s:.1f} s)")
+    return {"seconds": timing["wall_s"], "tokens": tokens, "tokens_per_s": tokens / timing["wall_s"],
+            "start_s": start_s, "clock": timing}
+
+
 def learner_batch(contexts: Sequence[Sequence[int]], samples: Sequence[Sample], group_size: int, algo: AlgoConfig,
                   generator: torch.Generator, device: torch.device) -> LearnerBatch:
     """Prompt + sampled tokens per row, scored where sampled; advantages from uniform random rewards by
@@ -528,6 +562,7 @@ def run(args: argparse.Namespace) -> Section:
                "tokens_per_s": sampler_tokens / sampler_clock["wall_s"], "peak_memory_gib": peak_memory_gib(device),
                "clock": sampler_clock}
     log(f"sampler: {sampler_tokens} tokens in {sampler['seconds']:.2f} s = {sampler['tokens_per_s']:.1f} tokens/s")
+    vllm = vllm_sampling(model, tokenizer, contexts, size.new_tokens, dtype, args) if vllm_importable() else None
 
     # 2. learning
     algo = AlgoConfig(preset="grpo")
@@ -573,7 +608,7 @@ def run(args: argparse.Namespace) -> Section:
         "dtype": str(dtype).removeprefix("torch."),
         "shape": asdict(shape), "parameters": parameters, "size": asdict(size), "seed": args.seed,
         "gradient_checkpointing": args.gradient_checkpointing, "share_prefix": share_prefix,
-        "sampler": sampler,
+        "sampler": sampler, "vllm_sampler": vllm,
         "learner": {"update_s": update_s, "steps": steps, "micro_batches": len(layouts),
                     "passes": [asdict(layout) for layout in layouts], "peak_memory_gib": learner_peak,
                     "tokens_per_s": size.rows * (size.prompt_tokens + size.new_tokens) / update_s},
@@ -623,6 +658,10 @@ def markdown(data: dict[str, Any]) -> str:
               "| | |", "|---|---|",
               f"| sampler (`sample`, prefill included, n=1) | {sampler['tokens']} tokens in "
               f"{sampler['seconds']:.2f} s = **{sampler['tokens_per_s']:.0f} tokens/s** |",
+              *([f"| sampler through vLLM (`rollout.decoder=vllm`, start-up {data['vllm_sampler']['start_s']:.0f} s "
+                 f"apart) | {data['vllm_sampler']['tokens']} tokens in {data['vllm_sampler']['seconds']:.2f} s = "
+                 f"**{data['vllm_sampler']['tokens_per_s']:.0f} tokens/s** |"] if data.get("vllm_sampler") else
+                ["| sampler through vLLM | not run: vLLM is not installed in this venv |"]),
               f"| learner update (forward + backward + AdamW) | median {learner['update_s']:.3f} s of "
               f"{len(learner['steps'])} ({times} s), {learner['micro_batches']} micro-batches, "
               f"{learner['tokens_per_s']:.0f} sequence tokens/s |",
