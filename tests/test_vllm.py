@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ from keelrl.policy.tiny import build_tiny_model, build_tiny_tokenizer
 
 pytestmark = pytest.mark.vllm
 
-KEEL = shutil.which("keel") or str(Path(sys.executable).parent / "keel")
+KEEL = str(Path(sys.executable).parent / "keel")  # this venv's: another venv on PATH (CI's .venv) lacks vLLM
 
 
 VLLM_SMALL = dataclasses.replace(SMALL, heads=2, kv_heads=1, max_positions=512, seed=3)
