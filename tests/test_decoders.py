@@ -197,9 +197,13 @@ def test_a_rows_tokens_do_not_depend_on_its_batch(policy, name):
 def test_the_same_seeds_give_the_same_tokens_with_recomputable_logprobs(policy, name, temperature, top_p, stop,
                                                                         min_new):
     model, tokenizer = policy
+    check_seeded_tier(build(name, model, tokenizer), model, tokenizer, temperature, top_p, stop, min_new)
+
+
+def check_seeded_tier(decoder, model, tokenizer, temperature, top_p, stop, min_new) -> None:
+    """The seeded tier over one of TIERS' settings (tests/test_vllm.py runs it on vLLM too)."""
     cfg = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=10, stop=stop, min_new_tokens=min_new)
     prompts = _prompts(13)
-    decoder = build(name, model, tokenizer)
     seeds = [1000 + row for row in range(len(prompts))]
     first = decoder.generate(prompts, cfg, seeds=seeds)
     _seeded(model, tokenizer, prompts, cfg, first)

@@ -175,7 +175,7 @@ def config_problem(overrides: list[str], path: Path | None) -> str | None:
 
 def test_every_documented_override_is_valid(monkeypatch):
     # the docs' rollout.decoder=vllm lines are for a venv with vLLM (.ci/vllm builds one): valid there
-    monkeypatch.setattr("keelrl.config._vllm_installed", lambda: True)
+    monkeypatch.setattr("keelrl.config.vllm_installed", lambda: True)
     bad, seen = [], 0
     for page in DOCS:
         for unit in code_units(page):

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import FAST_RUN, SMALL
-from test_decoders import SEEDED_ATOL, TIERS, _prompts, _seeded, recompute  # the contract's seeded tier
+from test_decoders import SEEDED_ATOL, TIERS, _prompts, _seeded, check_seeded_tier, recompute  # the seeded tier
 from keelrl.config import TINY_RUN
 from keelrl.inference import DecoderOptions, SamplingParams, build_decoder, deliver
 from keelrl.policy.tiny import build_tiny_model, build_tiny_tokenizer
@@ -65,19 +65,7 @@ def test_it_declares_the_seeded_tier_and_takes_weights_as_a_state_dict(decoder):
 def test_the_same_seeds_give_the_same_tokens_with_recomputable_logprobs(small, decoder, temperature, top_p, stop,
                                                                         min_new):
     model, tokenizer = small
-    cfg = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=10, stop=stop, min_new_tokens=min_new)
-    prompts = _prompts(13)
-    seeds = [1000 + row for row in range(len(prompts))]
-    first = decoder.generate(prompts, cfg, seeds=seeds)
-    _seeded(model, tokenizer, prompts, cfg, first)
-    assert [s.token_ids for s in decoder.generate(prompts, cfg, seeds=seeds)] == [s.token_ids for s in first]
-    by_call = decoder.generate(prompts, dataclasses.replace(cfg, seed=5))  # the call's seed
-    _seeded(model, tokenizer, prompts, cfg, by_call)
-    assert [s.token_ids for s in decoder.generate(prompts, dataclasses.replace(cfg, seed=5))] == \
-        [s.token_ids for s in by_call]
-    if temperature == 1.0 and not stop:
-        other = decoder.generate(prompts, cfg, seeds=[2000 + row for row in range(len(prompts))])
-        assert [s.token_ids for s in other] != [s.token_ids for s in first]
+    check_seeded_tier(decoder, model, tokenizer, temperature, top_p, stop, min_new)
 
 
 def test_new_weights_arrive_through_load_weights_as_a_state_dict_or_the_model(small, decoder):

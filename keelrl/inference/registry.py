@@ -103,10 +103,11 @@ def auto_decoder(model: Any, dtype: Any = None) -> str:
     """What `auto` picks for `model` in `dtype`: vllm where it is installed and samples in that
     dtype (it decodes faster than keel: BENCHMARKS.md), else keel where it has the model's forward
     pass, else hf."""
-    from keelrl.inference.vllm_decoder import DTYPES, missing_reason
+    from keelrl.config import vllm_installed
+    from keelrl.inference.vllm_decoder import DTYPES
 
     wanted = dtype or next(model.parameters()).dtype
-    if missing_reason() is None and wanted in DTYPES:
+    if vllm_installed() and wanted in DTYPES:
         return "vllm"
     return "keel" if unsupported_reason(model.config) is None else "hf"
 

