@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     from keelrl.envs.registry import resolve_env, settle_env
     from keelrl.policy.download import resolve_model_path
     from keelrl.policy.model import load_policy
-    from keelrl.policy.precision import resolve_dtype
+    from keelrl.inference.precision import resolve_dtype
     from keelrl.rollout.scheduler import prompt_tokens
 
     overrides = ["env.name=coding"]

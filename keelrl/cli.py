@@ -384,7 +384,7 @@ def _cmd_model(args: argparse.Namespace) -> int:
 def _cmd_precision(args: argparse.Namespace) -> int:
     from keelrl.policy.download import ModelFetchError
     from keelrl.policy.model import load_policy, resolve_device
-    from keelrl.policy.precision import USES, measurement, resolve_dtype, table_rows
+    from keelrl.inference.precision import USES, measurement, resolve_dtype, table_rows
 
     try:
         device = resolve_device(args.device)
@@ -408,10 +408,10 @@ def _cmd_precision(args: argparse.Namespace) -> int:
                           f"may use; the prefill matmul ran faster on {threads['faster']} "
                           f"({', '.join(f'{n}: {t:.4f} s' for n, t in threads['matmul_256_s'].items())})",
                           highlight=False)
-        load = record.get("load_average")
-        if load is not None and load > threads["available"]:
-            console.print(f"measured at a load average of {load:.1f} on {threads['available']} cores: other processes "
-                          f"shared them (`keel precision --refresh` on a quiet machine measures again)", highlight=False)
+        if record.get("disturbed"):
+            console.print(f"measured at a load average of {record['load_before']:.1f} on {threads['available']} cores: "
+                          f"other processes shared them, so the next use measures again (`keel precision --refresh` "
+                          f"on a quiet machine)", highlight=False)
         console.print(f"cache: {record['path'] or 'off (KEELRL_PRECISION_CACHE=off)'}", highlight=False)
     for use in USES:
         _, why = resolve_dtype("auto", use, model, device)

@@ -220,7 +220,7 @@ class EnvConfig:
 
 
 DTYPE_SETTINGS = ("auto", "float32", "bfloat16")
-"""The values of perf.learner_precision (auto: measured, keelrl.policy.precision)."""
+"""The values of perf.learner_precision (auto: measured, keelrl.inference.precision)."""
 SAMPLER_DTYPE_SETTINGS = (*DTYPE_SETTINGS, "float64")
 """The values of eval.dtype and rollout.dtype: also float64, for reference runs of a float64
 model (the golden runs), whose sampler float32 would round."""
@@ -277,7 +277,7 @@ class RolloutSettings:
     dtype: str = "float32"
     """Weights' dtype of the rollout sampler: float32, bfloat16, float64 (reference runs) or auto
     (bf16 where its decode step ran faster on this machine and model, measured once and cached:
-    keelrl.policy.precision; bf16 on CUDA). float32 by default: sampled by the float32 learner's own weights, fresh importance
+    keelrl.inference.precision; bf16 on CUDA). float32 by default: sampled by the float32 learner's own weights, fresh importance
     ratios are 1 up to float rounding. In bf16 the sampler's distribution differs from the
     learner's, so use a rollout correction (algo.rollout_correction) with it."""
     decoder: str = "auto"
@@ -389,7 +389,7 @@ class EvalConfig:
     """Weights' dtype when evaluating: float32, bfloat16, float64 (reference runs; a copy of the
     current weights is cast for the evaluation; training and rollouts are unaffected) or auto (bf16 where its decode step
     ran faster than float32's on this machine and model, measured on first use and cached:
-    keelrl.policy.precision, `keel precision`; bf16 on CUDA). The run's precision.json records the
+    keelrl.inference.precision, `keel precision`; bf16 on CUDA). The run's precision.json records the
     choice and why (docs/measurements.md#precision-by-measurement)."""
     temperature: float = 0.0
     """0 = greedy evaluation."""
@@ -434,7 +434,7 @@ class PerfConfig:
     """Precision of the learner's passes (warm start, RL updates, log-prob passes): float32,
     bfloat16 (autocast; weights and optimizer state stay float32 on CPU) or auto (bf16 autocast
     where it ran the learner's micro-batch at least 1.15x faster than float32 on this machine and
-    model, measured on first use and cached: keelrl.policy.precision, `keel precision`; else
+    model, measured on first use and cached: keelrl.inference.precision, `keel precision`; else
     float32; bf16 on CUDA). The output head stays in the weights' dtype; sampling is
     rollout.dtype's and eval.dtype's."""
     gradient_checkpointing: bool = False

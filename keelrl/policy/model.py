@@ -69,7 +69,7 @@ LEARNER_PRECISIONS = ("auto", "float32", "bfloat16")
 @functools.lru_cache(maxsize=None)
 def cpu_has_amx_bf16() -> bool:
     """True when this CPU multiplies bf16 matrices in hardware (Intel AMX-BF16). A flag, not a speed:
-    the dtype choices of auto settings are measured instead (keelrl.policy.precision)."""
+    the dtype choices of auto settings are measured instead (keelrl.inference.precision)."""
     try:
         return " amx_bf16" in Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -81,14 +81,14 @@ def learner_autocast(device: torch.device, precision: str = "auto") -> contextli
 
     float32: none. bfloat16: bf16 autocast on `device` (weights and optimizer state stay in their
     own dtype, float32 on CPU). auto is a measurement on the model's shapes, resolved before it
-    gets here (`keelrl.policy.precision.resolve_dtype("auto", "learner", model, device)`: the
+    gets here (`keelrl.inference.precision.resolve_dtype("auto", "learner", model, device)`: the
     Trainer resolves it once); here it raises.
     """
     if precision not in LEARNER_PRECISIONS:
         raise ValueError(f"learner precision {precision!r}; valid: {', '.join(LEARNER_PRECISIONS)}")
     if precision == "auto":
         raise ValueError("learner precision 'auto' is measured on the model's shapes: resolve it first with "
-                         "keelrl.policy.precision.resolve_dtype('auto', 'learner', model, device)")
+                         "keelrl.inference.precision.resolve_dtype('auto', 'learner', model, device)")
     if precision == "float32":
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)

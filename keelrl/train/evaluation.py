@@ -24,7 +24,7 @@ import torch
 from keelrl.envs.formats import format_of
 from keelrl.inference import DecoderOptions, SamplingParams, deliver
 from keelrl.config import KeelConfig
-from keelrl.policy.precision import resolve_dtype
+from keelrl.inference.precision import resolve_dtype
 from keelrl.policy.prefix import chunked_token_logprobs
 from keelrl.rollout.agent_loop import EpisodeLimits, model_actor, run_episodes
 from keelrl.rollout.trajectory import Trajectory, collate
@@ -167,7 +167,7 @@ class Evaluator:
 
     def eval_dtype(self) -> torch.dtype:
         """The dtype evaluation samples in: `eval.dtype` (auto: the faster of bf16 and float32 at
-        decoding, as measured on this machine and model: `keelrl.policy.precision.resolve_dtype`);
+        decoding, as measured on this machine and model: `keelrl.inference.precision.resolve_dtype`);
         the evaluation needs no behaviour log-probs to match the learner's."""
         wanted, _ = resolve_dtype(self.cfg.eval.dtype, "eval", self.model, self.device)
         return wanted

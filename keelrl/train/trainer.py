@@ -27,7 +27,7 @@ high-water mark of the process), memory/rss_gb and, on CUDA, memory/cuda_peak_gb
 the previous step's row).
 
 What eval.dtype and perf.learner_precision come to on this machine (auto: measured once per
-machine, thread count and model shape, keelrl.policy.precision) is resolved when the Trainer is
+machine, thread count and model shape, keelrl.inference.precision) is resolved when the Trainer is
 built, printed as one "precision: ..." line and written to precision.json at every start and
 resume; config.yaml keeps the settings as given, so a run resumed elsewhere measures there.
 """
@@ -52,7 +52,7 @@ from keelrl.metrics import MetricsLogger
 from keelrl.policy import lora
 from keelrl.policy.critic import build_critic
 from keelrl.policy.model import base_name, load_policy, pin_to_cores, resolve_device
-from keelrl.policy.precision import measurement, resolve_dtype
+from keelrl.inference.precision import measurement, resolve_dtype
 from keelrl.rollout.agent_loop import EpisodeLimits, model_actor, run_episodes
 from keelrl.rollout.build import build_engine
 from keelrl.rollout.engines import RolloutEngine, StepRollouts
@@ -82,7 +82,7 @@ UNGRADED = ("env_error", UNFINISHED)
 def resolve_precision(cfg: KeelConfig, model: Any, device: torch.device) -> dict[str, Any]:
     """{"eval": ..., "rollout": ..., "learner": ...}, each {"setting", "dtype", "why"}: eval.dtype,
     rollout.dtype and perf.learner_precision resolved for `model` on `device` (auto: measured on first use and cached,
-    keelrl.policy.precision), with the measurement's timings when one was used."""
+    keelrl.inference.precision), with the measurement's timings when one was used."""
     settings = {"eval": cfg.eval.dtype, "rollout": cfg.rollout.dtype, "learner": cfg.perf.learner_precision}
     resolved: dict[str, Any] = {}
     record = measurement(model, device) if device.type == "cpu" and "auto" in settings.values() else None
@@ -95,7 +95,8 @@ def resolve_precision(cfg: KeelConfig, model: Any, device: torch.device) -> dict
             resolved[use] = {"setting": setting, "dtype": str(dtype).removeprefix("torch."), "why": why}
     if record is not None:
         resolved["measurement"] = {name: record.get(name) for name in ("path", "measured_at", "load_average",
-                                                                      "threads", "timings_s", "skipped")}
+                                                                      "load_before", "disturbed", "threads",
+                                                                      "timings_s", "skipped")}
     return resolved
 
 

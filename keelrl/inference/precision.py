@@ -22,11 +22,13 @@ What `measure` times, each candidate dtype on the current torch threads, the min
 repetitions after a warm-up (the least disturbed run):
 
 1. matmul: [n, hidden] @ [hidden, intermediate] for n = 8, 64 (decode batches) and 256 (prefill),
-   and the decode head [8, hidden] @ [hidden, vocab] (timed on MATMUL_COLUMNS of its columns and
+   and the decode head [64, hidden] @ [hidden, vocab] (timed on MATMUL_COLUMNS of its columns and
    scaled: its time is linear in them);
-2. decode step: 8 rows of one token each through the model's first `k` layers (k = 2, or all of a
-   smaller model) with a KV cache of an 8-token prompt, scaled to all its layers, plus the head
-   matmul of 1;
+2. decode step: DECODE_ROWS (64) rows of one token each through the model's first `k` layers
+   (k = 2, or all of a smaller model), scaled to all its layers, plus the head matmul of 1. It runs
+   the keel decoder's forward pass (each row attending to 256 cached keys) where keel has the
+   model's, as rollouts and evaluations sample through keel or vLLM; else HF's body with a KV cache
+   of an 8-token prompt;
 3. learner micro-batch: forward and backward of the first k layers on 2 x 128 tokens (float32
    weights, with bf16 autocast or without), scaled to all layers, plus the head's log-prob pass
    and its backward (`HeadLogprobs`, float32 under either: the head never autocasts), timed on
@@ -41,12 +43,15 @@ SmolLM2 where bf16 is slow. The thread probe times the prefill matmul on the ava
 as well when torch runs on fewer threads; the faster count is recorded, not applied (setting
 torch's threads is the process's business, STYLE habit 9).
 
-What it does NOT guarantee: a measurement taken while other processes load the CPU is cached as
-it came out (the record keeps the load average; under load a second torch thread spins waiting
-for a descheduled peer, which can slow float32 more than bf16); `keel precision --refresh` (or
-`measurement(..., refresh=True)`) measures again. The scaled times are estimates from k layers,
-not a timed pass of the whole model. Two processes
-measuring the same key at once are serialised by a file lock; the second reads the first's file.
+A measurement begun while other processes kept half the cores or more busy (the 1-minute load
+average, less this process's own) is marked `disturbed`: the run that took it uses it, and the next
+measures again and replaces it (under load a descheduled torch thread makes its peer spin, which has
+skewed bf16 against float32 by several times). `keel precision --refresh` (or
+`measurement(..., refresh=True)`) measures again at any time.
+
+What it does NOT guarantee: the scaled times are estimates from k layers, not a timed pass of the
+whole model; a load that starts after measuring began is not seen. Two processes measuring the same
+key at once are serialised by a file lock; the second reads the first's file.
 
 Cache: one JSON file per key (CPU model name, the CPU's vector and matrix flags, torch version,
 torch's thread count, device type, the model's shape: hidden, intermediate, layers, vocab,
@@ -74,9 +79,12 @@ from typing import Any, Callable
 
 import torch
 
+from keelrl.inference.kv import SlotCache
+from keelrl.inference.model import LlamaForward, StepBatch, unsupported_reason
+from keelrl.inference.weights import FusedWeights, base_model
 from keelrl.runs import atomic_write_text, exclusive_lock
 
-PROBE_VERSION = 2
+PROBE_VERSION = 3
 """Bumped when the probes or the choice rule change: older cache files are then measured again."""
 USES = ("eval", "rollout", "learner")
 SETTINGS = ("auto", "float32", "bfloat16", "float64")
@@ -94,7 +102,9 @@ SKIP_FACTOR = 2.0
 """A bf16 candidate whose matmuls at a probe's shapes took more than this many times float32's
 time (together) is not timed on that probe."""
 MATMUL_TOKENS = (8, 64, 256)
-DECODE_ROWS, DECODE_PROMPT, DECODE_STEPS = 8, 8, 3
+DECODE_ROWS, DECODE_PROMPT, DECODE_CONTEXT, DECODE_STEPS = 64, 8, 256, 3
+"""The decode step: DECODE_ROWS rows, each attending to DECODE_CONTEXT keys (the keel decoder) or
+to a DECODE_PROMPT-token prompt (HF's body, which prefills it), DECODE_STEPS timed steps."""
 LEARNER_ROWS, LEARNER_TOKENS, HEAD_POSITIONS = 2, 128, 32
 TIMED_LAYERS = 2
 MATMUL_COLUMNS = 8192
@@ -107,6 +117,9 @@ CPU_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni",
              "amx_tile", "amx_bf16", "amx_fp16", "amx_int8")
 """The /proc/cpuinfo flags that change how fast float32 and bf16 matrices multiply."""
 CACHE_ENV = "KEELRL_PRECISION_CACHE"
+BUSY_SHARE = 0.5
+"""A measurement begun while other processes kept this share of the cores busy is `disturbed`: the
+run that took it uses it, and the next one measures again (and replaces the file)."""
 
 
 # ----------------------------------------------------------------- the cache key
@@ -189,13 +202,22 @@ def measurement(model: Any, device: torch.device, *, refresh: bool = False,
     path = cache_path(key, cache_dir)
     if path is None:
         return {**measure(model, device, key), "path": None}
+    if not refresh and str(path) in _TAKEN_HERE:  # a disturbed record holds for the process that took it
+        return {**_TAKEN_HERE[str(path)], "path": str(path)}
     with exclusive_lock(path.parent / ".locks" / f"{path.stem}.lock"):  # a second process waits, then finds the first's file
         record = None if refresh else _read(path, key)
         if record is None:
             record = measure(model, device, key)
             path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(path, json.dumps(record, indent=2))
+            if record["disturbed"]:
+                _TAKEN_HERE[str(path)] = record
     return {**record, "path": str(path)}
+
+
+_TAKEN_HERE: dict[str, dict[str, Any]] = {}
+"""The disturbed measurements this process took, by cache file: the file would be measured again on
+its next read, but every later use in this process keeps the same choices."""
 
 
 def _read(path: Path, key: dict[str, Any]) -> dict[str, Any] | None:
@@ -215,6 +237,8 @@ def _read(path: Path, key: dict[str, Any]) -> dict[str, Any] | None:
     if not valid:
         warnings.warn(f"precision cache {path} does not hold a measurement of this key; measuring again", stacklevel=3)
         return None
+    if record.get("disturbed"):
+        return None  # taken beside other work: measured again, quietly
     return record
 
 
@@ -251,12 +275,13 @@ def measure(model: Any, device: torch.device, key: dict[str, Any] | None = None)
     {"key", "measured_at", "threads", "load_average", "probes", "timings_s", "skipped", "choices",
     "seconds"}."""
     started = time.perf_counter()
+    load_before = _load_average()
     shape = model_signature(model)
     hidden, intermediate, vocab, layers = shape["hidden"], shape["intermediate"], shape["vocab"], shape["layers"]
     timed_layers = min(TIMED_LAYERS, layers)
     probe_matmul(8, 8, 8, torch.bfloat16, device)  # bf16's libraries start up here, not in the first shape's time
     shapes = {str(n): (n, hidden, intermediate) for n in MATMUL_TOKENS}
-    shapes["head_8"] = (DECODE_ROWS, hidden, vocab)
+    shapes["head"] = (DECODE_ROWS, hidden, vocab)
     matmul: dict[str, dict[str, float | None]] = {"float32": {}, "bfloat16": {}}
     for name, (rows, inner, outer) in shapes.items():
         fp32 = probe_matmul(rows, inner, outer, torch.float32, device)
@@ -268,14 +293,14 @@ def measure(model: Any, device: torch.device, key: dict[str, Any] | None = None)
     learner: dict[str, float | None] = {}
     skipped: dict[str, str] = {}
     for dtype_name, dtype in MEASURED.items():
-        slow = _slow_matmuls(matmul, ("8", "head_8"), dtype_name, "decode step")
+        slow = _slow_matmuls(matmul, (str(DECODE_ROWS), "head"), dtype_name, "decode step")
         if slow:
             decode[dtype_name], skipped["decode_step"] = None, slow
         else:
             if dtype_name not in copies:
                 copies[dtype_name] = probe_copy(model, dtype, timed_layers)
             copy_ = copies[dtype_name]
-            head = matmul[dtype_name]["head_8"]
+            head = matmul[dtype_name]["head"]
             assert head is not None  # else slow
             decode[dtype_name] = probe_decode(copy_, device) * layers / timed_layers + head
         slow = _slow_matmuls(matmul, ("256",), dtype_name, "learner micro-batch")
@@ -287,14 +312,22 @@ def measure(model: Any, device: torch.device, key: dict[str, Any] | None = None)
     learner = {name: None if body is None else body + head_s for name, body in learner.items()}
     timings = {"matmul": matmul, "decode_step": decode, "learner_step": learner, "learner_head": head_s}
     note = f", {timed_layers} of {layers} layers timed" if timed_layers < layers else ""
+    threads = probe_threads(hidden, intermediate, device)
     return {"key": key or cache_key(model, device),
             "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "threads": probe_threads(hidden, intermediate, device), "load_average": _load_average(),
+            "threads": threads, "load_average": _load_average(), "load_before": load_before,
+            "disturbed": disturbed(load_before, threads["available"]),
             "probes": {"matmul_tokens": list(MATMUL_TOKENS), "decode_rows": DECODE_ROWS,
                        "decode_prompt": DECODE_PROMPT, "learner_rows": LEARNER_ROWS,
                        "learner_tokens": LEARNER_TOKENS, "layers_timed": timed_layers, "layers": layers},
             "timings_s": timings, "skipped": skipped, "choices": choose(timings, skipped, note),
             "seconds": round(time.perf_counter() - started, 3)}
+
+
+def disturbed(load_before: float | None, cores: int) -> bool:
+    """Whether other processes kept at least BUSY_SHARE of the `cores` busy as measuring began: the
+    1-minute load average then, less the one this process itself adds while loading the model."""
+    return load_before is not None and load_before - 1 >= BUSY_SHARE * cores
 
 
 def _load_average() -> float | None:
@@ -328,7 +361,7 @@ def _slow_matmuls(matmul: dict[str, dict[str, float | None]], names: tuple[str, 
             f"ran {ratio} slower than float32 here, so its {dtype_name} {probe} was not timed")
 
 
-_SHAPE_NAMES = {**{str(n): f"{n} tokens" for n in MATMUL_TOKENS}, "head_8": f"the head on {DECODE_ROWS} rows"}
+_SHAPE_NAMES = {**{str(n): f"{n} tokens" for n in MATMUL_TOKENS}, "head": f"the head on {DECODE_ROWS} rows"}
 
 
 def _best_time(run: Callable[[], Any], repeats: int = 3, give_up_after: float | None = None,
@@ -413,7 +446,36 @@ def probe_copy(model: Any, dtype: torch.dtype, layers: int) -> Any:
 
 def probe_decode(copy_: Any, device: torch.device) -> float:
     """Seconds of one decode step of DECODE_ROWS single-token rows through the body of `copy_`
-    (`probe_copy`), with a KV cache of a DECODE_PROMPT-token prompt."""
+    (`probe_copy`), in the dtype of its weights: the keel decoder's forward pass
+    (`keelrl.inference.model`) where it has the model's, each row attending to DECODE_CONTEXT
+    cached keys, else HF's body with a KV cache of a DECODE_PROMPT-token prompt. The rollouts and
+    evaluations sample through keel or vLLM where they can, and HF's body in bf16 can be several
+    times slower than either on the same CPU, so it stands in only where keel cannot run."""
+    if unsupported_reason(copy_.config) is not None:
+        return _probe_decode_hf(copy_, device)
+    dtype = next(copy_.parameters()).dtype
+    forward = LlamaForward(copy_, dtype, device)
+    prefix = getattr(base_model(copy_), "base_model_prefix", "model") + "."
+    weights = FusedWeights.from_state(copy_.state_dict(), copy_.config, dtype, 0, prefix=prefix)
+    cache = SlotCache(forward.layers, forward.kv_heads, forward.head_dim, dtype, device)
+    cache.reserve(DECODE_CONTEXT, DECODE_ROWS, 0, DECODE_ROWS, DECODE_ROWS * DECODE_CONTEXT * cache.token_bytes)
+    generator = torch.Generator().manual_seed(0)
+    for stored in (*cache.keys, *cache.values):  # keys and values of a context already decoded
+        stored.copy_(torch.randn(stored.shape, generator=generator).to(stored))
+    rows = torch.arange(DECODE_ROWS, device=device)
+    batch = StepBatch(ids=torch.randint(0, copy_.config.vocab_size, (DECODE_ROWS,), generator=generator).to(device),
+                      slots=rows, positions=torch.full((DECODE_ROWS,), DECODE_CONTEXT - 1, device=device),
+                      n_decode=DECODE_ROWS, n_active=DECODE_ROWS,
+                      lengths=torch.full((DECODE_ROWS,), DECODE_CONTEXT, device=device), width=DECODE_CONTEXT,
+                      prefill=[])
+    with torch.no_grad():
+        seconds = _best_time(lambda: forward(weights, cache, batch), repeats=DECODE_STEPS)
+    assert seconds is not None  # no give_up_after
+    return seconds
+
+
+def _probe_decode_hf(copy_: Any, device: torch.device) -> float:
+    """`probe_decode` through HF's body, for a model the keel decoder has no forward pass for."""
     from transformers import DynamicCache
 
     from keelrl.policy.prefix import cache_kwarg
@@ -490,7 +552,7 @@ def table_rows(record: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     rows = []
     for name, fp32 in timings["matmul"]["float32"].items():
         bf16 = timings["matmul"]["bfloat16"][name]
-        label = (f"matmul [{probes['decode_rows']}, {hidden}] @ [{hidden}, {vocab}] (head)" if name == "head_8" else
+        label = (f"matmul [{probes['decode_rows']}, {hidden}] @ [{hidden}, {vocab}] (head)" if name == "head" else
                  f"matmul [{name}, {hidden}] @ [{hidden}, {intermediate}]")
         rows.append((label, seconds(fp32), seconds(bf16), speedup(fp32, bf16, f"< {1 / SKIP_FACTOR:.1f}x (given up)")))
     scaled = (f", {probes['layers_timed']} of {probes['layers']} layers timed"
