@@ -386,7 +386,7 @@ def test_keel_precision_prints_the_table_and_the_choices(tiny_model_dir, capsys)
 
     assert main(["precision", "--model", str(tiny_model_dir)]) == 0
     out = capsys.readouterr().out
-    assert f"decode step ({precision.DECODE_ROWS} rows" in out and "learner micro-batch (2 x 128 tokens)" in out
+    assert f"decode step ({precision.DECODE_ROWS} rows" in out and f"learner micro-batch ({precision.LEARNER_ROWS} x {precision.LEARNER_TOKENS} tokens" in out
     for use in precision.USES:
         assert f"{use}=auto: " in out
     assert "cache: " in out

@@ -29,10 +29,10 @@ repetitions after a warm-up (the least disturbed run):
    the keel decoder's forward pass (each row attending to 256 cached keys) where keel has the
    model's, as rollouts and evaluations sample through keel or vLLM; else HF's body with a KV cache
    of an 8-token prompt;
-3. learner micro-batch: forward and backward of the first k layers on 2 x 128 tokens (float32
+3. learner micro-batch: forward and backward of the first k layers on 4 x 512 tokens (float32
    weights, with bf16 autocast or without), scaled to all layers, plus the head's log-prob pass
    and its backward (`HeadLogprobs`, float32 under either: the head never autocasts), timed on
-   HEAD_POSITIONS (32) positions and scaled to 256.
+   HEAD_POSITIONS (32) positions and scaled to the micro-batch's 2048.
 
 The timed copies of the model share its float32 weights or hold a cast copy of the first k layers
 and the embeddings; the model itself is never modified. A bfloat16 candidate whose matmuls at a
@@ -84,7 +84,7 @@ from keelrl.inference.model import LlamaForward, StepBatch, unsupported_reason
 from keelrl.inference.weights import FusedWeights, base_model
 from keelrl.runs import atomic_write_text, exclusive_lock
 
-PROBE_VERSION = 3
+PROBE_VERSION = 4
 """Bumped when the probes or the choice rule change: older cache files are then measured again."""
 USES = ("eval", "rollout", "learner")
 SETTINGS = ("auto", "float32", "bfloat16", "float64")
@@ -105,7 +105,9 @@ MATMUL_TOKENS = (8, 64, 256)
 DECODE_ROWS, DECODE_PROMPT, DECODE_CONTEXT, DECODE_STEPS = 64, 8, 256, 3
 """The decode step: DECODE_ROWS rows, each attending to DECODE_CONTEXT keys (the keel decoder) or
 to a DECODE_PROMPT-token prompt (HF's body, which prefills it), DECODE_STEPS timed steps."""
-LEARNER_ROWS, LEARNER_TOKENS, HEAD_POSITIONS = 2, 128, 32
+LEARNER_ROWS, LEARNER_TOKENS, HEAD_POSITIONS = 4, 512, 32
+"""The learner's micro-batch: half of perf.micro_batch_tokens' default, near what the learner runs
+(a much smaller one understates bf16 autocast's gain: docs/measurements.md)."""
 TIMED_LAYERS = 2
 MATMUL_COLUMNS = 8192
 WARM_UP_SLACK = 5.0
