@@ -335,7 +335,7 @@ class RolloutSettings:
 class TrainConfig:
     """The RL loop: how many steps, and how each step's rollouts are cut into updates."""
 
-    steps: int = 8
+    steps: int = 4
     """RL steps (each: rollouts, then updates)."""
     epochs: int = 1
     """Passes over each batch of rollouts."""
