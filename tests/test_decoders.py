@@ -27,6 +27,9 @@ import torch
 
 from keelrl.inference import (DECODERS, DecoderOptions, KeelDecoder, KeptKV, SamplingParams, UnsupportedModelError,
                               build_decoder, draw_uniforms, end_token_ids)
+from keelrl.inference.model import rms_norm
+from keelrl.inference.sampler import choose
+from keelrl.inference.weights import can_prepack, linear, prepack
 from keelrl.policy.tiny import TinyModelSpec, build_tiny_tokenizer
 from keelrl.registry import UnknownNameError
 
@@ -432,6 +435,80 @@ def test_bfloat16_decoding_keeps_float32_logits(policy):
     samples = decoder.generate(_prompts(), cfg, _uniforms(0, 6, 6))
     assert decoder.weights().head.dtype == torch.bfloat16
     assert all(len(s.token_ids) == 6 and all(lp <= 0 and lp == lp for lp in s.logprobs) for s in samples)
+
+
+@pytest.mark.skipif(not can_prepack(torch.bfloat16, torch.device("cpu")), reason="no oneDNN bfloat16 linear here")
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_prepacked_bfloat16_linear_equals_f_linear(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(96, 80, generator=g) * 0.1).bfloat16()
+    b = torch.randn(96, generator=g).bfloat16() if bias else None
+    x = torch.randn(rows, 80, generator=g).bfloat16()
+    got = linear(x, prepack(weight), b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+    torch.testing.assert_close(got.float(), torch.nn.functional.linear(x, weight, b).float(), rtol=1.6e-2, atol=1e-2)
+
+
+def test_prepacking_is_bfloat16_on_cpu_only_and_can_be_turned_off(policy):
+    model, tokenizer = policy
+    assert not can_prepack(torch.float32, torch.device("cpu")) and not can_prepack(torch.float64, torch.device("cpu"))
+    assert not KeelDecoder(model, tokenizer).weights().packed  # float64: F.linear, the exact tier's path
+    unpacked = KeelDecoder(model, tokenizer, dtype=torch.bfloat16, prepack=False)
+    assert not unpacked.weights().packed and isinstance(unpacked.weights().head, torch.Tensor)
+    packed = KeelDecoder(model, tokenizer, dtype=torch.bfloat16)
+    assert packed.weights().packed == can_prepack(torch.bfloat16, torch.device("cpu"))
+    cfg = SamplingParams(temperature=0.0, max_new_tokens=6, min_new_tokens=6, stop=())
+    a, b = packed.generate(_prompts(), cfg), unpacked.generate(_prompts(), cfg)
+    # bfloat16 rounding differs between the two matmuls; the log-probs of the tokens both chose agree closely
+    for x, y in zip(a, b):
+        assert len(x.token_ids) == len(y.token_ids) == 6
+        if x.token_ids == y.token_ids:
+            torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), rtol=0, atol=0.1)
+
+
+def test_keel_hidden_states_equal_the_models_in_float64(policy):
+    """Decode attention over the slot range and chunked prefill (chunks from position 0 and after
+    it) give the model's own last hidden states in float64, up to summation order."""
+    model, tokenizer = policy
+    decoder = KeelDecoder(model, tokenizer, max_batch=4, prefill_tokens=7)
+    seen: list[tuple[list[int], torch.Tensor]] = []
+    logits, choose_rows = decoder.forward.logits, decoder._choose
+
+    def record_logits(weights, hidden):
+        seen.append(([], rms_norm(hidden, weights.norm, weights.norm_eps)))
+        return logits(weights, hidden)
+
+    def record_rows(rows, scores, params):
+        seen[-1][0].extend(list(row.context) + row.tokens for row in rows)
+        return choose_rows(rows, scores, params)
+
+    decoder.forward.logits, decoder._choose = record_logits, record_rows
+    decoder.generate(_prompts(), SamplingParams(temperature=1.0, max_new_tokens=5, min_new_tokens=5, stop=()),
+                     _uniforms(1, 6, 5))
+    checked = 0
+    for sequences, hidden in seen:
+        for sequence, row in zip(sequences, hidden, strict=True):
+            with torch.no_grad():
+                out = model(input_ids=torch.tensor([sequence]), output_hidden_states=True)
+            torch.testing.assert_close(row, out.hidden_states[-1][0, -1], rtol=0, atol=1e-12)
+            checked += 1
+    assert checked == 6 * 5
+
+
+def test_greedy_rows_take_the_argmax_and_its_log_softmax():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 300, generator=g) * 4
+    logits[1, 7] = logits[1, 200] = logits[1].max() + 1  # a tie: the first index, as argmax
+    logits[2, :250] = float("-inf")
+    early = torch.tensor([False, False, False, True, False])
+    cfg = SamplingParams(temperature=0.0, max_new_tokens=4, stop=())
+    chosen, logp = choose(logits, torch.rand(5, generator=g, dtype=torch.float64), cfg, early, end_ids=(3, 9))
+    held = logits.clone()
+    held[3, [3, 9]] = float("-inf")
+    assert chosen.tolist() == held.argmax(-1).tolist() and int(chosen[1]) == 7
+    expected = torch.log_softmax(held.double(), -1).gather(-1, chosen[:, None]).squeeze(-1)
+    torch.testing.assert_close(logp.double(), expected, rtol=0, atol=1e-6)
 
 
 def test_models_without_a_forward_pass_here_name_the_way_out():

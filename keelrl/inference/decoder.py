@@ -55,6 +55,8 @@ class KeelDecoder:
     `dtype`: the decode dtype (None: the model's). `max_batch`: sequences decoded together.
     `prefill_tokens`: prompt tokens prefilled per step beside the decoding sequences.
     `kv_budget_mb`: memory for the slots' keys and values plus kept histories and stored prefixes.
+    `prepack`: prepack the linear weights for oneDNN where that applies (bfloat16 on a CPU with
+    mkldnn: `keelrl.inference.weights.can_prepack`); False keeps `torch.nn.functional.linear`.
     """
 
     takes_uniforms = True
@@ -65,7 +67,7 @@ class KeelDecoder:
     _ids = itertools.count()
 
     def __init__(self, model: Any, tokenizer: Any, *, dtype: torch.dtype | None = None, max_batch: int = 64,
-                 prefill_tokens: int = 512, kv_budget_mb: int = 4096) -> None:
+                 prefill_tokens: int = 512, kv_budget_mb: int = 4096, prepack: bool = True) -> None:
         if max_batch < 1 or prefill_tokens < 1 or kv_budget_mb < 1:
             raise ValueError(f"max_batch={max_batch}, prefill_tokens={prefill_tokens} and kv_budget_mb={kv_budget_mb} "
                              f"must be positive")
@@ -74,6 +76,7 @@ class KeelDecoder:
         self.device = next(model.parameters()).device
         self.forward = LlamaForward(model, self.dtype, self.device)
         self.max_batch, self.prefill_tokens = max_batch, prefill_tokens
+        self.prepack = prepack
         self.budget = kv_budget_mb * 2**20
         self.id = next(self._ids)
         self.shared = SharedWeights(model)
@@ -121,7 +124,7 @@ class KeelDecoder:
             self._weights = None  # free the old snapshot before building the next
             prefix = getattr(base_model(self.model), "base_model_prefix", "model") + "."
             self._weights = FusedWeights.from_state(merged_state(self.model), self.model.config, self.dtype, serial,
-                                                    prefix=prefix)
+                                                    prefix=prefix, pack=self.prepack)
             self.scheduler.kept.drop_stale(serial)
         return self._weights
 

@@ -5,7 +5,11 @@ module, grouped-query attention over the slot cache, gated MLP.
 One call runs a step's packed tokens (`StepBatch`): the next token of every decoding slot first,
 then chunks of prompt tokens being prefilled, each written into its slot's keys and values
 before attending. Decode queries attend over the dense range of slots 0..A-1 (masked past each
-row's length), a prefill chunk over its own slot, causally.
+row's length), a prefill chunk over its own slot, causally; both through torch's
+`scaled_dot_product_attention` (its fused CPU kernel reads the strided slot range in place, with
+no dense copy of the keys and values and no materialised score matrix). The linear layers run
+through `keelrl.inference.weights.linear`: oneDNN on weights prepacked once per weights snapshot
+where that applies (bfloat16 on a CPU), else `torch.nn.functional.linear`.
 
 What this does NOT do: sliding-window attention, q/k norms (qwen3), other architectures (use
 `rollout.decoder=hf`), paged KV blocks shared between live sequences, CUDA graphs.
@@ -20,7 +24,7 @@ import torch
 from torch import Tensor
 
 from keelrl.inference.kv import SlotCache
-from keelrl.inference.weights import FusedWeights, base_model
+from keelrl.inference.weights import FusedWeights, base_model, linear
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 """`config.model_type`s whose forward pass is written here."""
@@ -108,21 +112,20 @@ class LlamaForward:
         heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
         group = heads // kv_heads
         scale = d ** -0.5
-        soft_dtype = torch.promote_types(self.dtype, torch.float32)
         n = ids.shape[0]
         width = batch.width
-        key_range = torch.arange(width, device=self.device)
-        decode_mask = key_range[None, :] < batch.lengths[:, None]  # [A, W]
+        attend = torch.arange(width, device=self.device)[None, :] < batch.lengths[:, None]
+        attend = attend[:, None, None, :]  # [A, 1, 1, W]: the keys each decode query attends to
         decode_slots = slot_t[:n_decode]
-        # A slot range of the cache is strided (its rows are `capacity` apart): float32 matmuls read
-        # it in place, but 16-bit ones take a slow path on it, slower than a dense copy and a fast one.
-        dense = (lambda t: t.contiguous()) if self.dtype in (torch.bfloat16, torch.float16) else (lambda t: t)
-        hidden_future = [~(torch.arange(start + take, device=self.device)[None, :]
-                           <= torch.arange(start, start + take, device=self.device)[:, None])
-                         for _, start, take in batch.prefill]  # [c, L] per prefill chunk: keys after the query
+        # a prefill chunk from position 0 is plainly causal; one after kept keys sees them all too
+        chunk_masks = [None if start == 0 else
+                       torch.arange(start + take, device=self.device)[None, :]
+                       <= torch.arange(start, start + take, device=self.device)[:, None]
+                       for _, start, take in batch.prefill]  # [c, L]: the keys each chunk query attends to
+        sdpa = torch.nn.functional.scaled_dot_product_attention
         for layer, w in enumerate(weights.layers):
             h = rms_norm(x, w["ln1"], w["ln1_eps"])
-            qkv = torch.nn.functional.linear(h, w["qkv"], w["qkv_bias"])
+            qkv = linear(h, w["qkv"], w["qkv_bias"])
             qk = qkv[:, :(heads + kv_heads) * d].view(n, heads + kv_heads, d)
             qk = qk * cos + rotate_half(qk) * sin  # queries and keys rotated together
             q, k = qk[:, :heads], qk[:, heads:]
@@ -132,39 +135,33 @@ class LlamaForward:
             cache_v[slot_t, :, pos_t] = v
             out = torch.empty((n, heads, d), dtype=x.dtype, device=x.device)
             if n_decode:
-                # one query per sequence: its query heads of a kv head attend as a group of queries
+                # one query per sequence: its query heads of a kv head attend as a group of queries,
+                # over the slot range of the cache read in place (its rows `capacity` apart)
                 if n_decode == n_active:  # every slot decodes, in slot order: no scatter
                     q_all = q[:n_decode].view(n_decode, kv_heads, group, d)
                 else:
                     q_all = torch.zeros((n_active, kv_heads, group, d), dtype=x.dtype, device=x.device)
                     q_all[decode_slots] = q[:n_decode].view(n_decode, kv_heads, group, d)
-                keys = dense(cache_k[:n_active, :, :width])  # [A, KVH, W, D]
-                scores = torch.matmul(q_all, keys.transpose(-1, -2)) * scale  # [A, KVH, G, W]
-                scores = scores.masked_fill(~decode_mask[:, None, None, :], float("-inf"))
-                probs = torch.softmax(scores, dim=-1, dtype=soft_dtype).to(x.dtype)
-                attended = torch.matmul(probs, dense(cache_v[:n_active, :, :width]))  # [A, KVH, G, D]
+                attended = sdpa(q_all, cache_k[:n_active, :, :width], cache_v[:n_active, :, :width],
+                                attn_mask=attend, scale=scale)  # [A, KVH, G, D]
                 picked = attended if n_decode == n_active else attended[decode_slots]
                 out[:n_decode] = picked.reshape(n_decode, heads, d)
             offset = n_decode
-            for (s, start, take), future in zip(batch.prefill, hidden_future):
+            for (s, start, take), mask in zip(batch.prefill, chunk_masks):
                 span = start + take
-                q_p = q[offset:offset + take].view(take, kv_heads, group, d).permute(1, 2, 0, 3)  # [KVH, G, c, D]
-                keys = dense(cache_k[s, :, :span])  # [KVH, L, D]
-                scores = torch.matmul(q_p.reshape(kv_heads, group * take, d), keys.transpose(-1, -2)) * scale
-                scores = scores.view(kv_heads, group, take, span)
-                scores = scores.masked_fill(future, float("-inf"))
-                probs = torch.softmax(scores, dim=-1, dtype=soft_dtype).to(x.dtype)
-                attended = torch.matmul(probs.view(kv_heads, group * take, span), dense(cache_v[s, :, :span]))
-                out[offset:offset + take] = attended.view(kv_heads, group, take, d).permute(2, 0, 1, 3).reshape(take, heads, d)
+                q_p = q[offset:offset + take].transpose(0, 1)[None]  # [1, heads, c, D]
+                attended = sdpa(q_p, cache_k[s, None, :, :span], cache_v[s, None, :, :span], attn_mask=mask,
+                                is_causal=mask is None, scale=scale, enable_gqa=group > 1)  # [1, heads, c, D]
+                out[offset:offset + take] = attended[0].transpose(0, 1)
                 offset += take
-            x = x + torch.nn.functional.linear(out.view(n, heads * d), w["o"], w["o_bias"])
+            x = x + linear(out.view(n, heads * d), w["o"], w["o_bias"])
             h = rms_norm(x, w["ln2"], w["ln2_eps"])
-            gate_up = torch.nn.functional.linear(h, w["gate_up"], w["gate_up_bias"])
+            gate_up = linear(h, w["gate_up"], w["gate_up_bias"])
             gate, up = gate_up.chunk(2, dim=-1)
-            x = x + torch.nn.functional.linear(self.act(gate) * up, w["down"], w["down_bias"])
+            x = x + linear(self.act(gate) * up, w["down"], w["down_bias"])
         return x
 
     def logits(self, weights: FusedWeights, hidden: Tensor) -> Tensor:
         """float32 next-token logits [R, V] (as HF's scores) from last-layer hidden states [R, H]."""
         h = rms_norm(hidden, weights.norm, weights.norm_eps)
-        return torch.nn.functional.linear(h, weights.head, weights.head_bias).float()
+        return linear(h, weights.head, weights.head_bias).float()

@@ -75,8 +75,9 @@ def choose(logits: Tensor, u: Tensor, params: SamplingParams, early: Tensor | No
         chosen = torch.searchsorted(cdf, u.to(cdf.device)[:, None] * cdf[:, -1:]).clamp(max=logits.shape[-1] - 1)
         chosen = chosen.squeeze(-1)
         return chosen, logp.gather(-1, chosen[:, None]).squeeze(-1)
-    chosen = logits.argmax(-1)  # greedy: no sort, no cumulative sum
-    return chosen, logits.gather(-1, chosen[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
+    # greedy: the argmax, no sort, no cumulative sum; its log-prob is max - logsumexp = -log(sum(exp(x - max)))
+    top, chosen = logits.max(-1)
+    return chosen, -torch.log(torch.exp(logits - top[:, None]).sum(-1))
 
 
 class InverseCdfProcessor:

@@ -117,24 +117,62 @@ class SharedWeights:
         return self.serial
 
 
+def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether linear weights of `dtype` on `device` can be prepacked for oneDNN: bfloat16 on a CPU
+    whose torch has mkldnn (where oneDNN's bfloat16 matmul uses the CPU's AMX or AVX512-BF16)."""
+    return bool(dtype == torch.bfloat16 and torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
+                and torch.backends.mkldnn.enabled and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+                and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A linear layer's [out, in] weight reordered once into oneDNN's blocked layout (`prepack`), so
+    each call skips the reorder that `torch.nn.functional.linear` does on every bfloat16 matmul."""
+
+    packed: Tensor
+    out_features: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.packed.dtype
+
+
+def prepack(weight: Tensor, rows: int = 64) -> PackedWeight:
+    """`weight` [out, in] in oneDNN's layout for inputs of about `rows` rows (any row count works)."""
+    return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), rows), weight.shape[0])
+
+
+def linear(x: Tensor, weight: Tensor | PackedWeight, bias: Tensor | None) -> Tensor:
+    """x [N, in] @ weight.T + bias: oneDNN's linear for a `PackedWeight`, else `F.linear`."""
+    if isinstance(weight, PackedWeight):
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight.packed, bias, "none", [], "")
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 @dataclass
 class FusedWeights:
     """The model's tensors in the decode dtype, q/k/v and gate/up fused into one matrix each: the
-    keel decoder's layout, made from a merged state dict (`from_state`) under weights `serial`."""
+    keel decoder's layout, made from a merged state dict (`from_state`) under weights `serial`.
+
+    With `packed`, the linear weights (q/k/v, o, gate/up, down, the head) are `PackedWeight`s
+    (`linear` runs them): bfloat16 on a CPU with oneDNN (`can_prepack`), unless turned off."""
 
     serial: int
     embed: Tensor
     norm: Tensor
     norm_eps: float
-    head: Tensor
+    head: Tensor | PackedWeight
     head_bias: Tensor | None
     layers: list[dict[str, Any]] = field(default_factory=list)
+    packed: bool = False
 
     @classmethod
     @torch.no_grad()
     def from_state(cls, state: Mapping[str, Tensor], config: Any, dtype: torch.dtype, serial: int,
-                   prefix: str = "model.") -> "FusedWeights":
-        """Fuse `state` (a Llama-family model's state dict under the base names, `prefix` the body's)."""
+                   prefix: str = "model.", pack: bool = True) -> "FusedWeights":
+        """Fuse `state` (a Llama-family model's state dict under the base names, `prefix` the body's);
+        with `pack` (and `can_prepack(dtype, device)`) the linear weights are prepacked for oneDNN."""
 
         def cast(name: str) -> Tensor | None:
             tensor = state.get(name)
@@ -163,4 +201,11 @@ class FusedWeights:
                 "gate_up": cat([f"{p}.weight" for p in gate_up]), "gate_up_bias": cat([f"{p}.bias" for p in gate_up]),
                 "down": cast(f"{at}mlp.down_proj.weight"), "down_bias": cast(f"{at}mlp.down_proj.bias"),
             })
+        if pack and can_prepack(dtype, embed.device):
+            assert isinstance(fused.head, Tensor)
+            fused.head = prepack(fused.head)  # a tied head packs a copy: the embedding stays for lookups
+            for layer_weights in fused.layers:
+                for name in ("qkv", "o", "gate_up", "down"):
+                    layer_weights[name] = prepack(layer_weights[name])
+            fused.packed = True
         return fused
