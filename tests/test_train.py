@@ -13,6 +13,7 @@ from conftest import FAST_RUN
 
 from keelrl.components import check
 from keelrl.config import TINY_RUN, load_config
+from keelrl.inference.weights import linear
 from keelrl.runs import latest_checkpoint
 from keelrl.train.trainer import Trainer
 
@@ -202,7 +203,10 @@ def test_evaluation_in_bf16_samples_the_current_weights_cast(tiny_model_dir, tmp
     fused = decoder.weights()  # the keel decoder (auto, a Qwen2): its weights in its fused layout
     body = trainer.model.model
     assert torch.equal(fused.embed, body.embed_tokens.weight.detach().to(torch.bfloat16))
-    assert torch.equal(fused.layers[0]["down"], body.layers[0].mlp.down_proj.weight.detach().to(torch.bfloat16))
+    down = body.layers[0].mlp.down_proj.weight.detach().to(torch.bfloat16)
+    # read back through the layer's own matmul (a bf16 weight may be prepacked for oneDNN): identity rows
+    # pick out each weight exactly
+    assert torch.equal(linear(torch.eye(down.shape[1], dtype=torch.bfloat16), fused.layers[0]["down"], None).T, down)
     with pytest.raises(Exception, match="eval.dtype"):
         load_config(overrides=["eval.dtype=fp8"])
 
