@@ -44,7 +44,7 @@ from keelrl.inference.params import Sample, SamplingParams
 from keelrl.inference.sampler import choose, row_uniforms
 from keelrl.inference.scheduler import Row, Scheduler
 from keelrl.inference.stops import StopMatcher, end_token_ids
-from keelrl.inference.weights import FusedWeights, SharedWeights, base_model, merged_state
+from keelrl.inference.weights import FusedWeights, SharedWeights, body_prefix, merged_state
 
 __all__ = ["KeelDecoder", "KeptKV", "UnsupportedModelError", "unsupported_reason"]
 
@@ -122,9 +122,8 @@ class KeelDecoder:
                 raise RuntimeError(f"the model's weights changed while {self.in_flight} rows were decoding: "
                                    f"load new weights only between streams (KeelDecoder.in_flight == 0)")
             self._weights = None  # free the old snapshot before building the next
-            prefix = getattr(base_model(self.model), "base_model_prefix", "model") + "."
             self._weights = FusedWeights.from_state(merged_state(self.model), self.model.config, self.dtype, serial,
-                                                    prefix=prefix, pack=self.prepack)
+                                                    prefix=body_prefix(self.model), pack=self.prepack)
             self.scheduler.kept.drop_stale(serial)
         return self._weights
 

@@ -81,7 +81,7 @@ import torch
 
 from keelrl.inference.kv import SlotCache
 from keelrl.inference.model import LlamaForward, StepBatch, unsupported_reason
-from keelrl.inference.weights import FusedWeights, base_model
+from keelrl.inference.weights import FusedWeights, body_prefix
 from keelrl.runs import atomic_write_text, exclusive_lock
 
 PROBE_VERSION = 4
@@ -457,8 +457,7 @@ def probe_decode(copy_: Any, device: torch.device) -> float:
         return _probe_decode_hf(copy_, device)
     dtype = next(copy_.parameters()).dtype
     forward = LlamaForward(copy_, dtype, device)
-    prefix = getattr(base_model(copy_), "base_model_prefix", "model") + "."
-    weights = FusedWeights.from_state(copy_.state_dict(), copy_.config, dtype, 0, prefix=prefix)
+    weights = FusedWeights.from_state(copy_.state_dict(), copy_.config, dtype, 0, prefix=body_prefix(copy_))
     cache = SlotCache(forward.layers, forward.kv_heads, forward.head_dim, dtype, device)
     cache.reserve(DECODE_CONTEXT, DECODE_ROWS, 0, DECODE_ROWS, DECODE_ROWS * DECODE_CONTEXT * cache.token_bytes)
     generator = torch.Generator().manual_seed(0)

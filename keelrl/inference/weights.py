@@ -74,6 +74,12 @@ def base_model(model: Any) -> Any:
     return unwrap(model)
 
 
+def body_prefix(model: Any) -> str:
+    """The state-dict prefix of the model's body, its layers and embeddings ("model." for Llama),
+    under a peft wrapper too: `FusedWeights.from_state`'s `prefix`."""
+    return getattr(base_model(model), "base_model_prefix", "model") + "."
+
+
 def weights_stamp(model: Any) -> tuple[int, ...]:
     """Version counters of the model's parameters: they change whenever one is written in place
     (`load_state_dict`, an optimizer step), so weights read before are known stale."""
