@@ -7,12 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import read_section  # noqa: E402
 
 
+@pytest.mark.slow  # two keel train runs, about 90 s beside two CPU hogs
 def test_lora_bench_smoke_trains_both_runs_and_the_adapter_checkpoint_is_smaller(tmp_path):
     done = subprocess.run([sys.executable, "-m", "bench.bench_lora", "--smoke", "--out", str(tmp_path)], cwd=REPO,
                           capture_output=True, text=True, timeout=900)

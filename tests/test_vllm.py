@@ -171,6 +171,7 @@ def test_keel_train_samples_rollouts_and_evaluations_with_vllm(tmp_path):
     assert mismatch and all(0 <= value < 0.05 for value in mismatch)
 
 
+@pytest.mark.slow  # about 100 s quiet, 190 s beside two CPU hogs: `pytest -m 'vllm and slow'` in .venv-vllm
 def test_the_benchmark_runs_every_decoder_on_the_same_work(tmp_path):
     repo = Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, "-m", "bench.bench_vllm", "--smoke", "--out", str(tmp_path)], cwd=repo,
