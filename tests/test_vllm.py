@@ -3,7 +3,7 @@ contract's seeded tier (tests/test_decoders.py's checks), new weights and a LoRA
 the weights seam, the stream, and `keel train` sampling its rollouts and evaluations with it.
 
 Marked vllm: they need vLLM, which lives in a venv of its own (`bash .ci/vllm` builds it and runs
-`pytest -m vllm` there; CI does). The engine runs eager (no torch.compile) so each starts in
+`pytest -m 'vllm and not slow'` there; CI does; the benchmark's smoke run is marked slow too). The engine runs eager (no torch.compile) so each starts in
 seconds. The model is a float32 tiny Qwen2 (vLLM has no float64); the recompute is float64.
 """
 
