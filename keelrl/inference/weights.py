@@ -171,7 +171,11 @@ class FusedWeights:
     head: Tensor | PackedWeight
     head_bias: Tensor | None
     layers: list[dict[str, Any]] = field(default_factory=list)
-    packed: bool = False
+
+    @property
+    def packed(self) -> bool:
+        """Whether the linear weights are prepacked (`from_state` packs all of them or none)."""
+        return isinstance(self.head, PackedWeight)
 
     @classmethod
     @torch.no_grad()
@@ -213,5 +217,4 @@ class FusedWeights:
             for layer_weights in fused.layers:
                 for name in ("qkv", "o", "gate_up", "down"):
                     layer_weights[name] = prepack(layer_weights[name])
-            fused.packed = True
         return fused
