@@ -57,6 +57,9 @@ class KeelDecoder:
     `kv_budget_mb`: memory for the slots' keys and values plus kept histories and stored prefixes.
     `prepack`: prepack the linear weights for oneDNN where that applies (bfloat16 on a CPU with
     mkldnn: `keelrl.inference.weights.can_prepack`); False keeps `torch.nn.functional.linear`.
+    `kernels`: the forward pass's ops (`keelrl.inference.model.KERNELS`): auto runs keelrl's CPU
+    kernels where they serve (`keelrl.inference.kernels`: float32 or bfloat16 on a CPU, built),
+    else torch's ops.
     """
 
     takes_uniforms = True
@@ -67,14 +70,15 @@ class KeelDecoder:
     _ids = itertools.count()
 
     def __init__(self, model: Any, tokenizer: Any, *, dtype: torch.dtype | None = None, max_batch: int = 64,
-                 prefill_tokens: int = 512, kv_budget_mb: int = 4096, prepack: bool = True) -> None:
+                 prefill_tokens: int = 512, kv_budget_mb: int = 4096, prepack: bool = True,
+                 kernels: str = "auto") -> None:
         if max_batch < 1 or prefill_tokens < 1 or kv_budget_mb < 1:
             raise ValueError(f"max_batch={max_batch}, prefill_tokens={prefill_tokens} and kv_budget_mb={kv_budget_mb} "
                              f"must be positive")
         self.model, self.tokenizer = model, tokenizer
         self.dtype = dtype or next(model.parameters()).dtype
         self.device = next(model.parameters()).device
-        self.forward = LlamaForward(model, self.dtype, self.device)
+        self.forward = LlamaForward(model, self.dtype, self.device, kernels)
         self.max_batch, self.prefill_tokens = max_batch, prefill_tokens
         self.prepack = prepack
         self.budget = kv_budget_mb * 2**20

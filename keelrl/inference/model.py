@@ -5,11 +5,15 @@ module, grouped-query attention over the slot cache, gated MLP.
 One call runs a step's packed tokens (`StepBatch`): the next token of every decoding slot first,
 then chunks of prompt tokens being prefilled, each written into its slot's keys and values
 before attending. Decode queries attend over the dense range of slots 0..A-1 (masked past each
-row's length), a prefill chunk over its own slot, causally; both through torch's
-`scaled_dot_product_attention` (its fused CPU kernel reads the strided slot range in place, with
-no dense copy of the keys and values and no materialised score matrix). The linear layers run
-through `keelrl.inference.weights.linear`: oneDNN on weights prepacked once per weights snapshot
-where that applies (bfloat16 on a CPU), else `torch.nn.functional.linear`.
+row's length), a prefill chunk over its own slot, causally. On a CPU in float32 or bfloat16 the
+decode queries go through keelrl's decode-attention kernel (`keelrl.inference.kernels`: each
+sequence reads its own keys once, up to its own length), and the elementwise steps (residual add
+and RMSNorm, rotary embedding and cache write, gated activation) through its fused kernels.
+Elsewhere, and for every prefill chunk's attention, torch's `scaled_dot_product_attention` runs
+(its fused CPU kernel reads the strided slot range in place, with no dense copy of the keys and
+values and no materialised score matrix). The linear layers run through
+`keelrl.inference.weights.linear`: oneDNN on weights prepacked once per weights snapshot where
+that applies (bfloat16 on a CPU), else `torch.nn.functional.linear`.
 
 What this does NOT do: sliding-window attention, q/k norms (qwen3), other architectures (use
 `rollout.decoder=hf`), paged KV blocks shared between live sequences, CUDA graphs.
@@ -23,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from keelrl.inference import kernels as cpu_kernels
 from keelrl.inference.kv import SlotCache
 from keelrl.inference.weights import FusedWeights, base_model, linear
 
@@ -85,10 +90,20 @@ class StepBatch:
     """(slot, start, take) of each prefill chunk, in packing order."""
 
 
-class LlamaForward:
-    """The forward pass over a model's config and rotary module, in the decode `dtype`."""
+KERNELS = ("auto", "keel", "torch")
+"""The forward pass's ops: keelrl's CPU kernels where they serve (auto), those kernels or an
+error (keel), or torch's ops only (torch)."""
 
-    def __init__(self, model: Any, dtype: torch.dtype, device: torch.device) -> None:
+
+class LlamaForward:
+    """The forward pass over a model's config and rotary module, in the decode `dtype`.
+
+    `kernels` (one of KERNELS) picks keelrl's CPU kernels (`keelrl.inference.kernels`: decode
+    attention, the residual add with RMSNorm, the rotary embedding with the cache write, the gated
+    activation) or torch's ops; `self.kernels` is the choice made ("keel" or "torch") and
+    `self.kernels_note` why, when auto fell back to torch's ops."""
+
+    def __init__(self, model: Any, dtype: torch.dtype, device: torch.device, kernels: str = "auto") -> None:
         reason = unsupported_reason(model.config)
         if reason is not None:
             raise UnsupportedModelError(f"keelrl's decoder cannot run this model ({reason}); "
@@ -101,6 +116,16 @@ class LlamaForward:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.layers = config.num_hidden_layers
         self.act = activation(config.hidden_act)
+        self.silu = config.hidden_act == "silu"
+        if kernels not in KERNELS:
+            raise ValueError(f"kernels={kernels!r} is not one of {', '.join(KERNELS)}")
+        reason = None if kernels == "torch" else cpu_kernels.supports(dtype, device)
+        if reason is None and kernels != "torch" and cpu_kernels.kernel() is None:
+            reason = f"they could not be built ({cpu_kernels.kernel_error()})"
+        if kernels == "keel" and reason is not None:
+            raise ValueError(f"kernels='keel' cannot serve this decoder: {reason}")
+        self.kernels = "torch" if kernels == "torch" or reason is not None else "keel"
+        self.kernels_note = reason
 
     def __call__(self, weights: FusedWeights, cache: SlotCache, batch: StepBatch) -> Tensor:
         """Hidden states [N, H] after the last layer for the batch's tokens (their keys and values
@@ -114,9 +139,15 @@ class LlamaForward:
         scale = d ** -0.5
         n = ids.shape[0]
         width = batch.width
-        attend = torch.arange(width, device=self.device)[None, :] < batch.lengths[:, None]
-        attend = attend[:, None, None, :]  # [A, 1, 1, W]: the keys each decode query attends to
         decode_slots = slot_t[:n_decode]
+        keel = self.kernels == "keel"
+        if keel:
+            decode_lengths = batch.lengths[decode_slots]  # [n_decode] the keys each decode query attends to
+            cos2, sin2 = cos.reshape(n, d).contiguous(), sin.reshape(n, d).contiguous()
+            pending: Tensor | None = None  # the last layer's MLP output, added to x with the next RMSNorm
+        else:
+            attend = torch.arange(width, device=self.device)[None, :] < batch.lengths[:, None]
+            attend = attend[:, None, None, :]  # [A, 1, 1, W]: the keys each decode query attends to
         # a prefill chunk from position 0 is plainly causal; one after kept keys sees them all too
         chunk_masks = [None if start == 0 else
                        torch.arange(start + take, device=self.device)[None, :]
@@ -124,17 +155,27 @@ class LlamaForward:
                        for _, start, take in batch.prefill]  # [c, L]: the keys each chunk query attends to
         sdpa = torch.nn.functional.scaled_dot_product_attention
         for layer, w in enumerate(weights.layers):
-            h = rms_norm(x, w["ln1"], w["ln1_eps"])
-            qkv = linear(h, w["qkv"], w["qkv_bias"])
-            qk = qkv[:, :(heads + kv_heads) * d].view(n, heads + kv_heads, d)
-            qk = qk * cos + rotate_half(qk) * sin  # queries and keys rotated together
-            q, k = qk[:, :heads], qk[:, heads:]
-            v = qkv[:, (heads + kv_heads) * d:].view(n, kv_heads, d)
             cache_k, cache_v = cache.keys[layer], cache.values[layer]
-            cache_k[slot_t, :, pos_t] = k
-            cache_v[slot_t, :, pos_t] = v
+            if keel:
+                h = cpu_kernels.add_rms_norm(x, pending, w["ln1"], w["ln1_eps"])
+                qkv = linear(h, w["qkv"], w["qkv_bias"])
+                q = cpu_kernels.rope_store(qkv, cos2, sin2, cache_k, cache_v, slot_t, pos_t, heads, kv_heads)
+            else:
+                h = rms_norm(x, w["ln1"], w["ln1_eps"])
+                qkv = linear(h, w["qkv"], w["qkv_bias"])
+                qk = qkv[:, :(heads + kv_heads) * d].view(n, heads + kv_heads, d)
+                qk = qk * cos + rotate_half(qk) * sin  # queries and keys rotated together
+                q, k = qk[:, :heads], qk[:, heads:]
+                v = qkv[:, (heads + kv_heads) * d:].view(n, kv_heads, d)
+                cache_k[slot_t, :, pos_t] = k
+                cache_v[slot_t, :, pos_t] = v
             out = torch.empty((n, heads, d), dtype=x.dtype, device=x.device)
-            if n_decode:
+            if n_decode and keel:
+                # each sequence's query heads over its own keys, up to its own length
+                out[:n_decode] = cpu_kernels.decode_attention(
+                    q[:n_decode].view(n_decode, kv_heads, group, d), cache_k, cache_v, decode_slots,
+                    decode_lengths, scale).view(n_decode, heads, d)
+            elif n_decode:
                 # one query per sequence: its query heads of a kv head attend as a group of queries,
                 # over the slot range of the cache read in place (its rows `capacity` apart)
                 if n_decode == n_active:  # every slot decodes, in slot order: no scatter
@@ -154,12 +195,24 @@ class LlamaForward:
                                 is_causal=mask is None, scale=scale, enable_gqa=group > 1)  # [1, heads, c, D]
                 out[offset:offset + take] = attended[0].transpose(0, 1)
                 offset += take
-            x = x + linear(out.view(n, heads * d), w["o"], w["o_bias"])
-            h = rms_norm(x, w["ln2"], w["ln2_eps"])
-            gate_up = linear(h, w["gate_up"], w["gate_up_bias"])
-            gate, up = gate_up.chunk(2, dim=-1)
-            x = x + linear(self.act(gate) * up, w["down"], w["down_bias"])
+            attended_o = linear(out.view(n, heads * d), w["o"], w["o_bias"])
+            if keel:
+                h = cpu_kernels.add_rms_norm(x, attended_o, w["ln2"], w["ln2_eps"])
+                gate_up = linear(h, w["gate_up"], w["gate_up_bias"])
+                gated = cpu_kernels.silu_mul(gate_up) if self.silu else self._gated(gate_up)
+                pending = linear(gated, w["down"], w["down_bias"])
+            else:
+                x = x + attended_o
+                h = rms_norm(x, w["ln2"], w["ln2_eps"])
+                gate_up = linear(h, w["gate_up"], w["gate_up_bias"])
+                x = x + linear(self._gated(gate_up), w["down"], w["down_bias"])
+        if keel and pending is not None:
+            x = x + pending
         return x
+
+    def _gated(self, gate_up: Tensor) -> Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act(gate) * up
 
     def logits(self, weights: FusedWeights, hidden: Tensor) -> Tensor:
         """float32 next-token logits [R, V] (as HF's scores) from last-layer hidden states [R, H]."""
