@@ -192,3 +192,14 @@ def test_a_failed_build_falls_back_to_torch_ops_and_says_why(policy, monkeypatch
     assert decoder.forward.kernels_note == "they could not be built (CalledProcessError: no C++ compiler)"
     with pytest.raises(ValueError, match="kernels='keel' cannot serve this decoder: they could not be built"):
         KeelDecoder(copy.deepcopy(model).float(), tokenizer, kernels="keel")
+
+
+def test_each_torch_install_and_cpu_builds_its_own_extension(monkeypatch):
+    """A venv's build never overwrites another's (their torch headers differ), nor one CPU's another's
+    (-march=native)."""
+    here = kernels.build_name()
+    assert here == kernels.build_name() and here.startswith("keel_kernels_")
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/site-packages/torch/__init__.py")
+    elsewhere = kernels.build_name()
+    monkeypatch.setattr(kernels, "cpu_identity", lambda: {"cpu": "another CPU", "flags": ["avx2"]})
+    assert len({here, elsewhere, kernels.build_name()}) == 3

@@ -16,7 +16,7 @@ The C++ (csrc/kernels.cpp) is compiled by `torch.utils.cpp_extension.load` the f
 process asks for it (a C++ compiler and ninja are needed; torch caches the build under its
 extensions directory, so later processes load it in well under a second). It is built for the
 CPU it runs on (-march=native), under a name that carries that CPU's model and instruction-set
-flags, the torch version and the source's hash. `kernel()` returns None, and `kernel_error()` says why,
+flags, the torch install and the source's hash. `kernel()` returns None, and `kernel_error()` says why,
 where it cannot be built; the decoder then runs torch's ops.
 
 What this does NOT do: CUDA (the decoder runs torch's ops there), float16 or float64 (torch's
@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import sys
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -39,15 +41,35 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 _built: dict[str, Any] = {}
 
+CPU_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+             "amx_tile", "amx_bf16", "amx_fp16", "amx_int8")
+"""The /proc/cpuinfo flags that change how fast float32 and bf16 matrices multiply."""
+
+
+@lru_cache(maxsize=None)
+def cpu_identity() -> dict[str, Any]:
+    """{"cpu": the CPU's model name, "flags": which of CPU_FLAGS it has} (Linux: /proc/cpuinfo)."""
+    name, flags = "", set[str]()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            field, _, value = line.partition(":")
+            if field.strip() == "model name" and not name:
+                name = value.strip()
+            elif field.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return {"cpu": name or platform.processor() or platform.machine(), "flags": [f for f in CPU_FLAGS if f in flags]}
+
 
 def build_name() -> str:
-    """The extension's name: it changes with the source, the torch version and the CPU (its model
-    name and the instruction-set flags `keelrl.inference.precision.CPU_FLAGS` lists)."""
-    from keelrl.inference.precision import cpu_identity
-
+    """The extension's name: it changes with the source, the torch install (its version and where it
+    lives: each venv builds against its own headers) and the CPU (its model name and the
+    instruction-set flags CPU_FLAGS lists)."""
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), repr(sorted(cpu_identity().items())).encode()):
-        digest.update(part)
+    for part in (SOURCE.read_bytes(), torch.__version__, str(Path(torch.__file__).resolve().parent),
+                 repr(sorted(cpu_identity().items()))):
+        digest.update(part if isinstance(part, bytes) else part.encode())
     return f"keel_kernels_{digest.hexdigest()[:16]}"
 
 

@@ -70,15 +70,15 @@ import hashlib
 import json
 import math
 import os
-import platform
 import time
 import warnings
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from keelrl.inference.kernels import CPU_FLAGS as CPU_FLAGS  # the flags in the cache key (see cpu_identity)
+from keelrl.inference.kernels import cpu_identity
 from keelrl.inference.kv import SlotCache
 from keelrl.inference.model import LlamaForward, StepBatch, unsupported_reason
 from keelrl.inference.weights import FusedWeights, body_prefix
@@ -115,9 +115,6 @@ WARM_UP_SLACK = 5.0
 WARM_UP_FLOOR_S = 0.25
 """and at least this long: a library builds its kernel for each new shape on the first call (oneDNN's
 bf16 matmuls take a millisecond or more), which says nothing about the calls after it."""
-CPU_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
-             "amx_tile", "amx_bf16", "amx_fp16", "amx_int8")
-"""The /proc/cpuinfo flags that change how fast float32 and bf16 matrices multiply."""
 CACHE_ENV = "KEELRL_PRECISION_CACHE"
 BUSY_SHARE = 0.5
 """A measurement begun while other processes kept this share of the cores busy is `disturbed`: the
@@ -125,22 +122,6 @@ run that took it uses it, and the next one measures again (and replaces the file
 
 
 # ----------------------------------------------------------------- the cache key
-@lru_cache(maxsize=None)
-def cpu_identity() -> dict[str, Any]:
-    """{"cpu": the CPU's model name, "flags": which of CPU_FLAGS it has} (Linux: /proc/cpuinfo)."""
-    name, flags = "", set[str]()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            field, _, value = line.partition(":")
-            if field.strip() == "model name" and not name:
-                name = value.strip()
-            elif field.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    return {"cpu": name or platform.processor() or platform.machine(), "flags": [f for f in CPU_FLAGS if f in flags]}
-
-
 def model_signature(model: Any) -> dict[str, Any]:
     """The shape the probes time: hidden, intermediate, layers, vocab and the weights' dtype."""
     config = model.config
