@@ -10,14 +10,16 @@
 - `add_rms_norm`, `rope_store`, `silu_mul`: a layer's elementwise steps, one op each where torch
   runs several (the residual add and RMSNorm; the rotary embedding of queries and keys and the
   write of keys and values into the cache; the gated activation). Each rounds to the tensor's
-  dtype where torch's own ops would, so its results equal torch's up to the order of a sum.
+  dtype where torch's own ops would, so its results equal torch's up to the order of a sum and
+  the last bit of an exp.
 
 The C++ (csrc/kernels.cpp) is compiled by `torch.utils.cpp_extension.load` the first time a
 process asks for it (a C++ compiler and ninja are needed; torch caches the build under its
 extensions directory, so later processes load it in well under a second). It is built for the
-CPU it runs on (-march=native), under a name that carries that CPU's model and instruction-set
-flags, the torch install and the source's hash. `kernel()` returns None, and `kernel_error()` says why,
-where it cannot be built; the decoder then runs torch's ops.
+CPU it runs on (-O3 -march=native -ffast-math: no NaN or infinity reaches these kernels), under
+a name that carries that CPU's model and instruction-set flags, the torch install and the
+source's hash. `kernel()` returns None, and `kernel_error()` says why, where it cannot be built;
+the decoder then runs torch's ops.
 
 What this does NOT do: CUDA (the decoder runs torch's ops there), float16 or float64 (torch's
 ops), prefill attention (a prompt chunk's causal attention stays SDPA).
@@ -89,7 +91,7 @@ def kernel() -> Any | None:
         _built["module"] = load(name=name, sources=[str(SOURCE)], extra_ldflags=["-fopenmp"],
                                 extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                                 verbose=bool(os.environ.get("KEELRL_VERBOSE_BUILD")))
-    except Exception as exc:  # no compiler, no ninja, a failed build: the decoder falls back to SDPA
+    except Exception as exc:  # no compiler, no ninja, a failed build: the decoder runs torch's ops
         _built["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
         return None
     return _built["module"]
