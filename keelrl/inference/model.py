@@ -156,13 +156,12 @@ class LlamaForward:
         sdpa = torch.nn.functional.scaled_dot_product_attention
         for layer, w in enumerate(weights.layers):
             cache_k, cache_v = cache.keys[layer], cache.values[layer]
+            h = cpu_kernels.add_rms_norm(x, pending, w["ln1"], w["ln1_eps"]) if keel else \
+                rms_norm(x, w["ln1"], w["ln1_eps"])
+            qkv = linear(h, w["qkv"], w["qkv_bias"])
             if keel:
-                h = cpu_kernels.add_rms_norm(x, pending, w["ln1"], w["ln1_eps"])
-                qkv = linear(h, w["qkv"], w["qkv_bias"])
                 q = cpu_kernels.rope_store(qkv, cos2, sin2, cache_k, cache_v, slot_t, pos_t, heads, kv_heads)
             else:
-                h = rms_norm(x, w["ln1"], w["ln1_eps"])
-                qkv = linear(h, w["qkv"], w["qkv_bias"])
                 qk = qkv[:, :(heads + kv_heads) * d].view(n, heads + kv_heads, d)
                 qk = qk * cos + rotate_half(qk) * sin  # queries and keys rotated together
                 q, k = qk[:, :heads], qk[:, heads:]
@@ -198,14 +197,16 @@ class LlamaForward:
             attended_o = linear(out.view(n, heads * d), w["o"], w["o_bias"])
             if keel:
                 h = cpu_kernels.add_rms_norm(x, attended_o, w["ln2"], w["ln2_eps"])
-                gate_up = linear(h, w["gate_up"], w["gate_up_bias"])
-                gated = cpu_kernels.silu_mul(gate_up) if self.silu else self._gated(gate_up)
-                pending = linear(gated, w["down"], w["down_bias"])
             else:
                 x = x + attended_o
                 h = rms_norm(x, w["ln2"], w["ln2_eps"])
-                gate_up = linear(h, w["gate_up"], w["gate_up_bias"])
-                x = x + linear(self._gated(gate_up), w["down"], w["down_bias"])
+            gate_up = linear(h, w["gate_up"], w["gate_up_bias"])
+            gated = cpu_kernels.silu_mul(gate_up) if keel and self.silu else self._gated(gate_up)
+            mlp = linear(gated, w["down"], w["down_bias"])
+            if keel:
+                pending = mlp
+            else:
+                x = x + mlp
         if keel and pending is not None:
             x = x + pending
         return x
