@@ -29,7 +29,7 @@ from keelrl.inference import (DECODERS, DecoderOptions, KeelDecoder, KeptKV, Sam
                               build_decoder, draw_uniforms, end_token_ids)
 from keelrl.inference.model import rms_norm
 from keelrl.inference.sampler import choose
-from keelrl.inference.weights import can_prepack, linear, prepack
+from keelrl.inference.weights import can_prepack, linear, onednn_bf16_refusal, prepack
 from keelrl.policy.tiny import TinyModelSpec, build_tiny_tokenizer
 from keelrl.registry import UnknownNameError
 
@@ -448,6 +448,21 @@ def test_a_prepacked_bfloat16_linear_equals_f_linear(rows, bias):
     got = linear(x, prepack(weight), b)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
     torch.testing.assert_close(got.float(), torch.nn.functional.linear(x, weight, b).float(), rtol=1.6e-2, atol=1e-2)
+
+
+def test_can_prepack_says_whether_onednn_runs_a_prepacked_bfloat16_linear_on_this_cpu():
+    # oneDNN refuses bf16 prepacking on CPUs without AVX512-BW/VL/DQ or AVX-NE-CONVERT (AVX2-only
+    # ones): there can_prepack must say no, so that a bf16 decoder keeps F.linear instead of failing
+    weight, x = torch.randn(32, 24).bfloat16(), torch.randn(5, 24).bfloat16()
+    try:
+        got = linear(x, prepack(weight), None)
+        runs = bool(torch.backends.mkldnn.enabled)
+    except RuntimeError:
+        got, runs = None, False
+    assert can_prepack(torch.bfloat16, torch.device("cpu")) == runs
+    assert (onednn_bf16_refusal() is None) == (got is not None)
+    if got is not None:
+        torch.testing.assert_close(got.float(), torch.nn.functional.linear(x, weight).float(), rtol=1.6e-2, atol=1e-2)
 
 
 def test_prepacking_is_bfloat16_on_cpu_only_and_can_be_turned_off(policy):

@@ -29,6 +29,7 @@ and values made under other weights are never used. The explicit call is the doc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Mapping
 
 import torch
@@ -125,10 +126,23 @@ class SharedWeights:
 
 def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether linear weights of `dtype` on `device` can be prepacked for oneDNN: bfloat16 on a CPU
-    whose torch has mkldnn (where oneDNN's bfloat16 matmul uses the CPU's AMX or AVX512-BF16)."""
+    whose torch has mkldnn and whose oneDNN runs a bfloat16 linear there (it refuses CPUs without
+    AVX512-BW/VL/DQ or AVX-NE-CONVERT, such as AVX2-only ones: `onednn_bf16_refusal`)."""
     return bool(dtype == torch.bfloat16 and torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
                 and torch.backends.mkldnn.enabled and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-                and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+                and hasattr(torch.ops.mkldnn, "_linear_pointwise") and onednn_bf16_refusal() is None)
+
+
+@lru_cache(maxsize=None)
+def onednn_bf16_refusal() -> str | None:
+    """None where oneDNN prepacks a small bfloat16 weight and runs a linear with it on this CPU,
+    else oneDNN's error (tried once a process)."""
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16), 4)
+        torch.ops.mkldnn._linear_pointwise(torch.ones(4, 16, dtype=torch.bfloat16), packed, None, "none", [], "")
+    except RuntimeError as error:
+        return str(error).splitlines()[0]
+    return None
 
 
 @dataclass(frozen=True)
