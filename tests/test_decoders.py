@@ -29,6 +29,8 @@ from keelrl.inference import (DECODERS, DecoderOptions, KeelDecoder, KeptKV, Sam
                               build_decoder, draw_uniforms, end_token_ids)
 from keelrl.inference.model import rms_norm
 from keelrl.inference.sampler import choose
+from keelrl.inference import weights as weights_module
+from keelrl.inference.kernels import cpu_identity
 from keelrl.inference.weights import can_prepack, linear, onednn_bf16_refusal, prepack
 from keelrl.policy.tiny import TinyModelSpec, build_tiny_tokenizer
 from keelrl.registry import UnknownNameError
@@ -465,9 +467,35 @@ def test_can_prepack_says_whether_onednn_runs_a_prepacked_bfloat16_linear_on_thi
         torch.testing.assert_close(got.float(), torch.nn.functional.linear(x, weight).float(), rtol=1.6e-2, atol=1e-2)
 
 
-def test_prepacking_is_bfloat16_on_cpu_only_and_can_be_turned_off(policy):
+@pytest.mark.parametrize("rows", [1, 64, 300])
+def test_a_prepacked_float32_linear_equals_f_linear(rows):
+    g = torch.Generator().manual_seed(rows)
+    weight, x, b = torch.randn(96, 80, generator=g), torch.randn(rows, 80, generator=g), torch.randn(96, generator=g)
+    got = linear(x, prepack(weight), b)
+    assert got.dtype == torch.float32 and got.shape == (rows, 96)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
+def test_float32_is_prepacked_on_amd_cpus_only_and_samples_what_f_linear_does(policy, monkeypatch):
     model, tokenizer = policy
-    assert not can_prepack(torch.float32, torch.device("cpu")) and not can_prepack(torch.float64, torch.device("cpu"))
+    vendor = cpu_identity()["vendor"]
+    onednn = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+    assert can_prepack(torch.float32, torch.device("cpu")) == (onednn and vendor == "AuthenticAMD")
+    monkeypatch.setattr(weights_module, "FLOAT32_PACK_VENDORS", (vendor,))  # this CPU's vendor packs, whichever it is
+    assert can_prepack(torch.float32, torch.device("cpu")) == onednn
+    packed = KeelDecoder(model, tokenizer, dtype=torch.float32)
+    unpacked = KeelDecoder(model, tokenizer, dtype=torch.float32, prepack=False)
+    assert packed.weights().packed == onednn and not unpacked.weights().packed
+    cfg = SamplingParams(temperature=1.0, max_new_tokens=8, stop=())
+    a, b = packed.generate(_prompts(), cfg, _uniforms(3, 6, 8)), unpacked.generate(_prompts(), cfg, _uniforms(3, 6, 8))
+    assert [x.token_ids for x in a] == [y.token_ids for y in b]
+    for x, y in zip(a, b):
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), rtol=0, atol=1e-4)
+
+
+def test_prepacking_is_bfloat16_or_float32_on_cpu_only_and_can_be_turned_off(policy):
+    model, tokenizer = policy
+    assert not can_prepack(torch.float64, torch.device("cpu"))
     assert not KeelDecoder(model, tokenizer).weights().packed  # float64: F.linear, the exact tier's path
     unpacked = KeelDecoder(model, tokenizer, dtype=torch.bfloat16, prepack=False)
     assert not unpacked.weights().packed and isinstance(unpacked.weights().head, torch.Tensor)

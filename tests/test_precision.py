@@ -99,6 +99,9 @@ def test_the_cache_key_changes_with_cpu_flags_torch_version_and_model_shape(monk
 def test_the_cpu_identity_reads_the_model_name_and_the_relevant_flags():
     identity = precision.cpu_identity()
     assert identity["cpu"] and set(identity["flags"]) <= set(precision.CPU_FLAGS)
+    vendors = {line.partition(":")[2].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+               if line.partition(":")[0].strip() == "vendor_id"}
+    assert identity["vendor"] in vendors and identity["vendor"]
 
 
 # ----------------------------------------------------------------- the cache file

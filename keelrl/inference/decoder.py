@@ -55,8 +55,9 @@ class KeelDecoder:
     `dtype`: the decode dtype (None: the model's). `max_batch`: sequences decoded together.
     `prefill_tokens`: prompt tokens prefilled per step beside the decoding sequences.
     `kv_budget_mb`: memory for the slots' keys and values plus kept histories and stored prefixes.
-    `prepack`: prepack the linear weights for oneDNN where that applies (bfloat16 on a CPU with
-    mkldnn: `keelrl.inference.weights.can_prepack`); False keeps `torch.nn.functional.linear`.
+    `prepack`: prepack the linear weights for oneDNN where that applies (bfloat16 where oneDNN
+    runs it, float32 on AMD CPUs: `keelrl.inference.weights.can_prepack`); False keeps
+    `torch.nn.functional.linear`.
     `kernels`: the forward pass's ops (`keelrl.inference.model.KERNELS`): auto runs keelrl's CPU
     kernels where they serve (`keelrl.inference.kernels`: float32 or bfloat16 on a CPU, built),
     else torch's ops.

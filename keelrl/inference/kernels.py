@@ -50,18 +50,22 @@ CPU_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni",
 
 @lru_cache(maxsize=None)
 def cpu_identity() -> dict[str, Any]:
-    """{"cpu": the CPU's model name, "flags": which of CPU_FLAGS it has} (Linux: /proc/cpuinfo)."""
-    name, flags = "", set[str]()
+    """{"cpu": the CPU's model name, "vendor": its vendor_id (GenuineIntel, AuthenticAMD; "" where
+    unknown), "flags": which of CPU_FLAGS it has} (Linux: /proc/cpuinfo)."""
+    name, vendor, flags = "", "", set[str]()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             field, _, value = line.partition(":")
             if field.strip() == "model name" and not name:
                 name = value.strip()
+            elif field.strip() == "vendor_id" and not vendor:
+                vendor = value.strip()
             elif field.strip() == "flags" and not flags:
                 flags = set(value.split())
     except OSError:
         pass
-    return {"cpu": name or platform.processor() or platform.machine(), "flags": [f for f in CPU_FLAGS if f in flags]}
+    return {"cpu": name or platform.processor() or platform.machine(), "vendor": vendor,
+            "flags": [f for f in CPU_FLAGS if f in flags]}
 
 
 def build_name() -> str:

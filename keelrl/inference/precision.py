@@ -84,7 +84,7 @@ from keelrl.inference.model import LlamaForward, StepBatch, unsupported_reason
 from keelrl.inference.weights import FusedWeights, body_prefix
 from keelrl.runs import atomic_write_text, exclusive_lock
 
-PROBE_VERSION = 4
+PROBE_VERSION = 5
 """Bumped when the probes or the choice rule change: older cache files are then measured again."""
 USES = ("eval", "rollout", "learner")
 SETTINGS = ("auto", "float32", "bfloat16", "float64")

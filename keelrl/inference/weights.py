@@ -35,6 +35,8 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
+from keelrl.inference.kernels import cpu_identity
+
 
 def merged_state(model: Any) -> dict[str, Tensor]:
     """`model`'s weights as a decoder receives them: the base model's names, adapters merged in."""
@@ -124,13 +126,24 @@ class SharedWeights:
         return self.serial
 
 
+FLOAT32_PACK_VENDORS = ("AuthenticAMD",)
+"""CPU vendors (`cpu_identity()["vendor"]`) whose float32 linear weights are prepacked for oneDNN:
+torch's float32 matmuls go to MKL, which runs slower code paths on CPUs that are not Intel's,
+while oneDNN picks its kernels by instruction set (BENCHMARKS.md, "decode-step levers")."""
+
+
 def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether linear weights of `dtype` on `device` can be prepacked for oneDNN: bfloat16 on a CPU
-    whose torch has mkldnn and whose oneDNN runs a bfloat16 linear there (it refuses CPUs without
-    AVX512-BW/VL/DQ or AVX-NE-CONVERT, such as AVX2-only ones: `onednn_bf16_refusal`)."""
-    return bool(dtype == torch.bfloat16 and torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
-                and torch.backends.mkldnn.enabled and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-                and hasattr(torch.ops.mkldnn, "_linear_pointwise") and onednn_bf16_refusal() is None)
+    """Whether linear weights of `dtype` on `device` are prepacked for oneDNN, on a CPU whose torch
+    has mkldnn: bfloat16 where oneDNN runs a bfloat16 linear on this CPU (it refuses CPUs without
+    AVX512-BW/VL/DQ or AVX-NE-CONVERT, such as AVX2-only ones: `onednn_bf16_refusal`), float32 on
+    CPUs of FLOAT32_PACK_VENDORS, never float64."""
+    if not (torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
+            and torch.backends.mkldnn.enabled and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    if dtype == torch.bfloat16:
+        return onednn_bf16_refusal() is None
+    return dtype == torch.float32 and cpu_identity()["vendor"] in FLOAT32_PACK_VENDORS
 
 
 @lru_cache(maxsize=None)
@@ -148,7 +161,8 @@ def onednn_bf16_refusal() -> str | None:
 @dataclass(frozen=True)
 class PackedWeight:
     """A linear layer's [out, in] weight reordered once into oneDNN's blocked layout (`prepack`), so
-    each call skips the reorder that `torch.nn.functional.linear` does on every bfloat16 matmul."""
+    each call skips the reorder that `torch.nn.functional.linear` does on every bfloat16 matmul
+    (and, in float32, runs oneDNN's matmul rather than MKL's)."""
 
     packed: Tensor
     out_features: int
