@@ -7,7 +7,8 @@ weights, token ids and dtype.
 1. Decode: the first 64 held-out prompts of the default run (mean about 188 tokens), 64 new
    tokens each (end tokens held back), greedy, one call of all 64 rows: seconds per decoder and
    dtype, the best of `--repeats`, and whether the decoders chose the same tokens (greedy ties
-   aside they must). vLLM runs compiled (its default; `--eager` skips that).
+   aside they must). Every timed call starts cold, as after a weight publish (`cold`): no
+   decoder reuses an earlier call's prompts. vLLM runs compiled (its default; `--eager` skips that).
 2. Workloads of the default run through the real agent loop (`run_episodes`, the coding
    environment, sandboxed grading): the held-out evaluation (one greedy attempt per task) and one
    RL step's rollouts (8 tasks x 4 attempts at the run's temperature), with decoder=keel, vllm
@@ -56,6 +57,23 @@ def build(name: str, model: Any, tokenizer: Any, dtype: torch.dtype, batch: int,
     return build_decoder(model, tokenizer, DecoderOptions(decoder=name, dtype=dtype, max_batch=batch, eager=eager))
 
 
+UNRELATED_TEXT = "Count from one to ten, in French."
+"""`cold`'s warm-up prompt, without the chat template: it begins none of the benchmark's prompts."""
+
+
+def cold(decoder: Any, model: Any, tokenizer: Any, version: int) -> None:
+    """Before a timed call: the weights loaded anew through the weights seam, as after a publish, so
+    no decoder keeps the keys and values of an earlier call's prompts (vLLM's automatic prefix
+    caching would otherwise reuse them: a repeated call then skips most of its prefill), and a
+    one-token call on an unrelated prompt, so each decoder has made its new weights ready (keel fuses
+    them on first use) before the timer starts."""
+    from keelrl.inference import SamplingParams
+
+    decoder.load_weights(model, version)
+    decoder.generate([tokenizer.encode(UNRELATED_TEXT, add_special_tokens=False)],
+                     SamplingParams(temperature=0.0, max_new_tokens=1, stop=(), seed=0))
+
+
 def decode_rows(model: Any, tokenizer: Any, prompts: list[list[int]], new: int, dtype: str, repeats: int,
                 eager: bool, decoders: tuple[str, ...]) -> dict[str, Any]:
     """Each decoder's seconds for one greedy call of every prompt, exactly `new` tokens a row."""
@@ -71,7 +89,8 @@ def decode_rows(model: Any, tokenizer: Any, prompts: list[list[int]], new: int, 
         start_s = time.perf_counter() - tick
         decoder.generate(prompts[:2], SamplingParams(temperature=0.0, max_new_tokens=2, stop=(), seed=0))  # warm-up
         times = []
-        for _ in range(repeats):
+        for version in range(1, repeats + 1):
+            cold(decoder, model, tokenizer, version)
             clock = Clock()
             tick = time.perf_counter()
             samples = decoder.generate(prompts, params)
