@@ -8,7 +8,11 @@ run, with the step and the numbers that tripped it:
   independent evaluations while the eval metric did not rise by more than
   `divergence_eval_gain`: the reward is probably being hacked ("go read trajectories").
   Training reward is averaged over `window` steps ending at each eval (the first `window` RL
-  steps stand in for the pre-RL eval at step 0).
+  steps stand in for the pre-RL eval at step 0). Each evaluation is compared with the latest
+  one at least `window` steps before it (the first one while there is none), so an eval metric
+  logged every step (the held-out probe) is compared across a window, not step to step. The
+  eval metric is `eval_metric`; auto reads the probe (probe/success) once the run has logged
+  it, else the full evaluation (eval/success).
 - `entropy_collapse`: mean policy entropy below `entropy_floor`, or fallen by more than
   `entropy_drop` (a fraction) over `window` steps.
 - `zero_advantage`: at least `zero_adv_max` of the groups had all-equal rewards (before
@@ -107,10 +111,15 @@ def _mean_reward_ending_at(monitor: AlarmMonitor, step: int) -> float | None:
 @ALARMS.register("divergence", summary="training reward rises while the eval metric does not")
 def _divergence(monitor: AlarmMonitor, step: int) -> Finding | None:
     cfg = monitor.cfg
-    evals = monitor.series(cfg.eval_metric)
+    metric = cfg.eval_metric
+    if metric == "auto":
+        metric = "probe/success" if monitor.series("probe/success") else "eval/success"
+    evals = monitor.series(metric)
     if len(evals) < 2 or evals[-1][0] != step:
         return None
-    (then_step, eval_then), (_, eval_now) = evals[-2], evals[-1]
+    earlier = [point for point in evals[:-1] if point[0] <= step - cfg.window]
+    then_step, eval_then = earlier[-1] if earlier else evals[0]
+    eval_now = evals[-1][1]
     reward_then, reward_now = _mean_reward_ending_at(monitor, then_step), _mean_reward_ending_at(monitor, step)
     if reward_then is None or reward_now is None:
         return None
@@ -119,7 +128,7 @@ def _divergence(monitor: AlarmMonitor, step: int) -> Finding | None:
         values = {"train_reward_then": reward_then, "train_reward_now": reward_now,
                   "eval_then": eval_then, "eval_now": eval_now, "since_step": float(then_step)}
         return values, (f"training reward rose {reward_then:.3f} -> {reward_now:.3f} since step {then_step} "
-                        f"while {cfg.eval_metric} went {eval_then:.3f} -> {eval_now:.3f}: "
+                        f"while {metric} went {eval_then:.3f} -> {eval_now:.3f}: "
                         f"the reward may be hacked; go read trajectories")
     return None
 

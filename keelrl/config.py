@@ -36,13 +36,14 @@ TINY_RUN: tuple[str, ...] = (
     "rollout.tasks_per_step=8", "rollout.group_size=4", "rollout.max_new_tokens=80",
     "rollout.max_context_tokens=2048", "rollout.engine=async", "train.steps=10", "optim.lr=2e-4",
     "optim.warmup_steps=2", "train.minibatch_size=16", "eval.every=5", "eval.tasks=150",
-    "eval.base=false", "perf.learner_precision=float32", "rollout.temperature=1.0",
+    "eval.base=false", "eval.probe_tasks=0", "perf.learner_precision=float32", "rollout.temperature=1.0",
     "perf.micro_batch_tokens=4096", "eval.dtype=float32",
     "algo.preset=grpo", "env.shaping=0", "warm_start.own_mistakes=0",
 )
 """The built-in tiny model's recipe (the default run before SmolLM2 became it): a random byte
-model that learns the multi-turn tool format from many demos at a high learning rate. The labs
-and the fast tests start from it; any override after it wins."""
+model that learns the multi-turn tool format from many demos at a high learning rate, without
+the held-out probe (its byte-level prompts make every episode costly; a test turns it on). The
+labs and the fast tests start from it; any override after it wins."""
 
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
 
@@ -393,9 +394,20 @@ class EvalConfig:
     choice and why (docs/measurements.md#precision-by-measurement)."""
     temperature: float = 0.0
     """0 = greedy evaluation."""
+    probe_tasks: int = 32
+    """The held-out probe: the first probe_tasks of the evaluation's tasks (a fixed subset, the
+    same tasks every time), evaluated as the evaluation is every `probe_every` steps between the
+    full evaluations and logged as probe/success, probe/lift (paired against the probe as RL
+    started) and probe/seconds (its cost); at step 0 and at each full evaluation its figures are
+    read from that evaluation, at no cost. The divergence alarm reads it (monitor.eval_metric=auto),
+    so the training reward has an independent curve beside it at every step. 0: off."""
+    probe_every: int = 1
+    """Run the probe every this many steps (between full evaluations)."""
 
     def __post_init__(self) -> None:
-        _positive(every=self.every, tasks=self.tasks)
+        _positive(every=self.every, tasks=self.tasks, probe_every=self.probe_every)
+        if isinstance(self.probe_tasks, bool) or not isinstance(self.probe_tasks, int) or self.probe_tasks < 0:
+            raise ConfigError("probe_tasks", f"must be an integer >= 0 (0: no probe), got {self.probe_tasks!r}")
         if self.dtype not in SAMPLER_DTYPE_SETTINGS:
             raise ConfigError("dtype", f"unknown dtype {self.dtype!r}; valid: {', '.join(SAMPLER_DTYPE_SETTINGS)}")
         if not 0 <= self.temperature < math.inf:
@@ -656,8 +668,10 @@ class MonitorConfig:
 
     window: int = 3
     """Steps each alarm looks back over (or must hold for)."""
-    eval_metric: str = "eval/success"
-    """Independent eval metric the divergence alarm compares the training reward with."""
+    eval_metric: str = "auto"
+    """Independent eval metric the divergence alarm compares the training reward with; auto: the
+    held-out probe's success (probe/success, eval.probe_tasks) when the run logs it, else the full
+    evaluation's (eval/success)."""
     divergence_reward_gain: float = 0.1
     """Divergence: training-reward rise between two evals that counts as rising."""
     divergence_eval_gain: float = 0.0

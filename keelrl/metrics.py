@@ -93,7 +93,8 @@ class MetricsLogger:
 
 
 CHARTS = {
-    "reward_vs_eval": [("train/reward", "training reward"), ("eval/success", "held-out success (strong verifier)")],
+    "reward_vs_eval": [("train/reward", "training reward"), ("eval/success", "held-out success (strong verifier)"),
+                       ("probe/success", "held-out probe (its fixed subset)")],
     "entropy": [("policy/entropy", "entropy")],
     "kl": [("policy/approx_kl", "approx KL to behaviour"), ("policy/kl_ref", "KL to reference")],
     "clip_fraction": [("policy/clip_frac", "clip fraction")],

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 _SHOWN = ("phase", "step", "epoch", "loss", "demos", "masked_turns", "train/reward", "train/success", "eval/success",
-          "eval/partial", "time/step_s", "memory/peak_rss_gb")
+          "eval/partial", "probe/success", "time/step_s", "memory/peak_rss_gb")
 """The fields of an event's info that a plain log line shows."""
 
 

@@ -87,6 +87,22 @@ def paired_difference(before: dict[str, bool], after: dict[str, bool]) -> tuple[
     return mean_and_se([float(after[task]) - float(before[task]) for task in common])
 
 
+def probe_figures(task_success: dict[str, bool], ids: Sequence[str],
+                  start: dict[str, bool] | None = None) -> dict[str, float | None]:
+    """The held-out probe's figures from one evaluation's per-task outcomes: strict success over
+    the probe's task `ids` (probe/success and its standard error) and, given the outcomes of the
+    probe as RL started (`start`), the paired change since then over the same tasks (probe/lift,
+    probe/lift_se: `paired_difference`). An undefined standard error is None."""
+    now = {task: task_success[task] for task in ids if task in task_success}
+    success, success_se = mean_and_se([float(outcome) for outcome in now.values()])
+    row: dict[str, float | None] = {"probe/success": success, "probe/success_se": finite_or_none(success_se),
+                                    "probe/tasks": float(len(now))}
+    if start is not None:
+        lift, lift_se = paired_difference(start, now)
+        row.update({"probe/lift": lift, "probe/lift_se": finite_or_none(lift_se)})
+    return row
+
+
 def context_limit_frac(trajectories: Sequence[Trajectory]) -> float:
     """Share of episodes ended because the next turn could not fit `rollout.max_context_tokens`."""
     return sum(t.termination == "context_limit" for t in trajectories) / max(1, len(trajectories))
@@ -174,7 +190,13 @@ class Evaluator:
 
     def evaluate(self, tasks: Sequence[Any], version: int = 0) -> dict[str, float]:
         """Held-out success with the strong verifier, one attempt per task of `tasks`, under the
-        policy's current weights (policy `version`)."""
+        policy's current weights (policy `version`); its full report becomes `last_report`."""
+        metrics, self.last_report = self.run(tasks, version)
+        return metrics
+
+    def run(self, tasks: Sequence[Any], version: int = 0) -> tuple[dict[str, float], dict[str, Any]]:
+        """`evaluate` without keeping the report: (the metrics row's eval/* figures, the full
+        report of `heldout_report`, with the agent's figures under "agent")."""
         tasks = list(tasks)
         sampling = SamplingParams(temperature=self.cfg.eval.temperature, top_p=1.0,
                                   max_new_tokens=self.cfg.rollout.max_new_tokens, keep_kv=self.cfg.rollout.keep_kv,
@@ -193,14 +215,13 @@ class Evaluator:
                                 None if self.family is None else [self.family(task) for task in tasks])
         agent = agent_report(trajectories, self.edit_tools, self.test_tool)
         report["agent"] = {**agent, "recovery_rate": finite_or_none(agent["recovery_rate"])}
-        self.last_report = report
         by_family = report.get("by_family", {})
         return {"eval/success": report["success"], "eval/success_se": report["success_se"],
                 "eval/partial": report["partial"], "eval/partial_se": report["partial_se"],
                 **({f"eval/success_{family}": block["success"] for family, block in by_family.items()}
                    if len(by_family) > 1 else {}),
                 **agent_metrics(agent, "eval/"),
-                "eval/tasks": len(trajectories), **self.heldout_prm(trajectories)}
+                "eval/tasks": len(trajectories), **self.heldout_prm(trajectories)}, report
 
     @torch.no_grad()
     def heldout_prm(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:

@@ -154,9 +154,16 @@ class RunOutputs:
     def finish(self, summary: dict[str, Any], steps: int, skipped: int) -> dict[str, Any]:
         """The run's summary completed from metrics.jsonl and the held-out reports, written to
         summary.json with the plots; -> the summary."""
-        evals = [row["eval/success"] for row in read_metrics(self.run_dir) if "eval/success" in row]
+        rows = read_metrics(self.run_dir)
+        evals = [row["eval/success"] for row in rows if "eval/success" in row]
         summary.update({"eval_success_after_rl": evals[-1] if evals else None, "steps": steps,
                         "skipped_updates": skipped, "preset": self.cfg.algo.preset})
+        probes = [row for row in rows if "probe/success" in row]
+        if probes:  # the held-out probe's curve, and what it cost
+            summary["probe"] = {**summary.get("probe", {}), "tasks": int(probes[-1]["probe/tasks"]),
+                                "success_by_step": {str(row["step"]): row["probe/success"] for row in probes},
+                                "lift": probes[-1].get("probe/lift"), "lift_se": probes[-1].get("probe/lift_se"),
+                                "seconds": sum(row.get("probe/seconds", 0.0) for row in probes)}
         summary.update(lift_summary(summary.get("heldout", {})))
         summary["plots"] = [str(p) for p in plot_run(self.run_dir)]
         atomic_write_text(self.run_dir / SUMMARY, json.dumps(summary, indent=2))

@@ -20,7 +20,10 @@ adapter off, or with a frozen copy of the adapter as RL started when a warm star
 
 Every `eval.every` steps (and before RL, after the warm start) the policy is evaluated on
 held-out tasks it never trains on, with the strong verifier, whatever the training verifier
-is. A step whose loss or gradient is not finite is skipped and counted. Task sampling and
+is; every `eval.probe_every` step between, a small fixed subset of them (the probe,
+`eval.probe_tasks`) is evaluated the same way, so the held-out curve has a point at each step
+for the plots and the divergence alarm (at a full evaluation's step the probe's figure is read
+from it). A step whose loss or gradient is not finite is skipped and counted. Task sampling and
 sampling seeds are functions of (seed, step) (keelrl.train.requests), so a resumed run repeats
 exactly what an uninterrupted one would have done. Every step logs memory/peak_rss_gb (a
 high-water mark of the process), memory/rss_gb and, on CUDA, memory/cuda_peak_gb (peak since
@@ -68,7 +71,7 @@ from keelrl.train.console import ConsoleProgress
 from keelrl.train.curriculum import Curriculum
 from keelrl.train.distill import Teacher
 from keelrl.train.episodes import TokenRecord
-from keelrl.train.evaluation import Evaluator
+from keelrl.train.evaluation import Evaluator, probe_figures
 from keelrl.train.learner import Learner, enable_gradient_checkpointing
 from keelrl.train.outputs import RunOutputs, episode_metrics, memory_metrics
 from keelrl.train.prm import ProcessRewardModel
@@ -283,6 +286,30 @@ class Trainer:
         return self.evaluator.evaluate(self.heldout_tasks[: self.cfg.eval.tasks] if tasks is None else tasks,
                                        version=self.policy_version)
 
+    def probe_tasks(self) -> list[Any]:
+        """The held-out probe's tasks: the first `eval.probe_tasks` of the evaluation's (all of them
+        when the evaluation has fewer; none when the probe is off)."""
+        return self.heldout_tasks[: min(self.cfg.eval.probe_tasks, self.cfg.eval.tasks)]
+
+    def probe(self, report: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The held-out probe's metrics row (probe/*: `keelrl.train.evaluation.probe_figures`, and
+        probe/seconds, what it cost). Given an evaluation's `report` (a full evaluation at this step,
+        whose tasks include the probe's), its outcomes on the probe's tasks, at no cost; else the
+        probe's own episodes, under the current weights, as an evaluation runs them. The run's first
+        probe (step 0's, unless eval.before_rl=false) is the start that probe/lift is paired against."""
+        tasks = self.probe_tasks()
+        if not tasks:
+            return {}
+        started, seconds = time.monotonic(), 0.0
+        if report is None:
+            _, report = self.evaluator.run(tasks, version=self.policy_version)
+            seconds = time.monotonic() - started
+        ids = [str(getattr(task, "id", task)) for task in tasks]
+        record = self.summary.setdefault("probe", {})
+        if "start" not in record:  # the first probe: the start, its lift 0
+            record["start"] = {task: report["task_success"][task] for task in ids if task in report["task_success"]}
+        return {**probe_figures(report["task_success"], ids, record["start"]), "probe/seconds": seconds}
+
     @property
     def last_eval_report(self) -> dict[str, Any] | None:
         """The latest `evaluate`'s full report (per kind, per task), for summary.json."""
@@ -398,6 +425,8 @@ class Trainer:
             before = self.evaluate()
             heldout["warm_start"] = self.last_eval_report
         self.summary = {"eval_success_before_rl": before.get("eval/success"), **warm, "heldout": heldout}
+        if before:
+            before.update(self.probe(self.last_eval_report))
         if warm or before:
             logger.log(0, {**warm, **before})
         monitor.update(0, before)
@@ -444,8 +473,11 @@ class Trainer:
                     engine.publish_model(self.model, step)
                     if step % self.cfg.eval.every == 0 or step == total:
                         row.update(self.evaluate())
+                        row.update(self.probe(self.last_eval_report))
                         if step == total:  # kept in the checkpoint with the summary
                             self.summary.setdefault("heldout", {})["final"] = self.last_eval_report
+                    elif step % self.cfg.eval.probe_every == 0:
+                        row.update(self.probe())
                     self.step = step
                     events = monitor.update(step, row)
                     row.update({f"alarm/{event.name}": 1.0 for event in events})

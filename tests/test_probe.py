@@ -1,0 +1,116 @@
+"""The held-out probe (eval.probe_tasks): a fixed subset of the held-out tasks evaluated between the
+full evaluations, so the training reward has an independent curve at every step and the divergence
+alarm can act while training."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from conftest import FAST_RUN
+
+from keelrl.alarms import AlarmMonitor
+from keelrl.config import TINY_RUN, MonitorConfig, load_config
+from keelrl.errors import ConfigError
+from keelrl.train.evaluation import probe_figures
+from keelrl.train.trainer import Trainer
+
+
+def test_probe_figures_against_hand_worked_numbers():
+    outcomes = {"a": True, "b": False, "c": True, "d": False}
+    row = probe_figures(outcomes, ["a", "b", "c", "gone"], start={"a": False, "b": False, "c": True})
+    # success over a, b, c (a task the evaluation did not run is left out): 2/3; the sample variance
+    # of (1, 0, 1) is 1/3, so the standard error is sqrt(1/3 / 3) = 1/3.
+    assert row["probe/tasks"] == 3
+    assert row["probe/success"] == pytest.approx(2 / 3) and row["probe/success_se"] == pytest.approx(1 / 3)
+    # paired change since the start: differences (1, 0, 0), mean 1/3, variance 1/3, se 1/3
+    assert row["probe/lift"] == pytest.approx(1 / 3) and row["probe/lift_se"] == pytest.approx(1 / 3)
+    alone = probe_figures(outcomes, ["a"])
+    assert alone["probe/success"] == 1.0 and alone["probe/success_se"] is None and "probe/lift" not in alone
+
+
+@pytest.mark.parametrize("override,field", [("eval.probe_tasks=-1", "probe_tasks"), ("eval.probe_tasks=true", "probe_tasks"),
+                                            ("eval.probe_every=0", "probe_every")])
+def test_a_bad_probe_setting_names_its_field(override, field):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=[override])
+    assert field in str(info.value)
+
+
+def rising_reward_rows(steps=10, probe=0.2, eval_every=8):
+    """Training reward 0.1 x step; the probe flat at `probe` every step; the full evaluation
+    (also flat) at step 0 and every `eval_every` steps."""
+    rows = [{"eval/success": 0.2, "probe/success": probe}]
+    for step in range(1, steps + 1):
+        row = {"train/reward": 0.1 * step, "probe/success": probe}
+        if step % eval_every == 0:
+            row["eval/success"] = 0.2
+        rows.append(row)
+    return rows
+
+
+def divergence_step(rows, **cfg):
+    monitor = AlarmMonitor(MonitorConfig(**cfg))
+    for step, row in enumerate(rows):
+        events = [event for event in monitor.update(step, row) if event.name == "divergence"]
+        if events:
+            return step, events[0]
+    return None, None
+
+
+def test_the_divergence_alarm_reads_the_probe_across_a_window_and_acts_before_the_next_evaluation():
+    rows = rising_reward_rows()
+    # auto reads the probe. Steps 1-3 compare with step 0, whose reward stands in as the first
+    # steps' own (gain 0); step 4 compares with step 1, the latest at least 3 steps back: reward
+    # 0.1 (steps -2..1 of which step 1 exists) -> 0.3 (steps 2..4), a gain of 0.2 >= 0.1, probe flat.
+    step, event = divergence_step(rows)
+    assert step == 4
+    assert event.values["since_step"] == 1.0
+    assert event.values["train_reward_then"] == pytest.approx(0.1) and event.values["train_reward_now"] == pytest.approx(0.3)
+    assert "probe/success" in event.message
+    # the full evaluation alone fires only when it comes, at step 8
+    assert divergence_step(rows, eval_metric="eval/success")[0] == 8
+    # a probe that rises with the reward is no divergence
+    for step, row in enumerate(rows):
+        row["probe/success"] = 0.2 + 0.1 * step
+    assert divergence_step(rows)[0] is None
+
+
+def test_auto_reads_the_full_evaluation_when_the_run_has_no_probe():
+    rows = [{key: value for key, value in row.items() if key != "probe/success"} for row in rising_reward_rows()]
+    step, event = divergence_step(rows)
+    assert step == 8 and "eval/success" in event.message
+
+
+def test_a_run_logs_the_probe_every_step_reads_it_from_full_evaluations_and_resumes_its_start(tiny_model_dir,
+                                                                                            tmp_path):
+    overrides = [*TINY_RUN, *FAST_RUN, f"model.path={tiny_model_dir}", "rollout.engine=sync", "train.steps=3",
+                 "eval.every=2", "eval.tasks=4", "eval.probe_tasks=3", "output.checkpoint_every=1",
+                 "train.minibatch_size=2"]
+    run = tmp_path / "run"
+    trainer = Trainer(load_config(overrides=[f"run_dir={run}", *overrides]))
+    ids = [str(getattr(task, "id", task)) for task in trainer.probe_tasks()]
+    assert ids == [str(getattr(task, "id", task)) for task in trainer.heldout_tasks[:3]]
+    trainer.run(stop_after=1)
+    Trainer(load_config(run / "config.yaml")).run(resume=True)  # the probe's start survives the resume
+
+    rows = {row["step"]: row for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    summary = json.loads((run / "summary.json").read_text())
+    start, final = summary["heldout"]["warm_start"]["task_success"], summary["heldout"]["final"]["task_success"]
+
+    def success(outcomes):
+        return sum(outcomes[task] for task in ids) / len(ids)
+
+    # step 0 and step 3 (the end): read from the full evaluation, at no cost
+    assert rows[0]["probe/success"] == pytest.approx(success(start)) and rows[0]["probe/seconds"] == 0.0
+    assert rows[3]["probe/success"] == pytest.approx(success(final)) and rows[3]["probe/seconds"] == 0.0
+    assert rows[3]["probe/lift"] == pytest.approx(success(final) - success(start))
+    # step 1 (before the resume) ran the probe's own episodes; step 2 had a full evaluation
+    assert "eval/success" not in rows[1] and rows[1]["probe/tasks"] == 3 and rows[1]["probe/seconds"] > 0
+    assert "eval/success" in rows[2] and rows[2]["probe/seconds"] == 0.0
+    assert all(0.0 <= rows[step]["probe/success"] <= 1.0 and not math.isnan(rows[step]["probe/lift"])
+               for step in range(4))
+    assert summary["probe"]["start"] == {task: start[task] for task in ids}
+    assert summary["probe"]["success_by_step"] == {str(step): rows[step]["probe/success"] for step in range(4)}
+    assert summary["probe"]["seconds"] == pytest.approx(sum(rows[step]["probe/seconds"] for step in range(4)))
