@@ -226,8 +226,11 @@ def _cmd_lab(args: argparse.Namespace) -> int:
     if args.name not in LABS:
         print(f"keel: unknown lab {args.name!r}; valid names: {', '.join(LABS)}", file=sys.stderr)
         return 2
+    if args.seeds < 1:
+        print(f"keel: --seeds must be >= 1, got {args.seeds}", file=sys.stderr)
+        return 2
     console = Console(stderr=True)
-    result = run_lab(args.name, args.out, args.overrides, quick=args.quick,
+    result = run_lab(args.name, args.out, args.overrides, quick=args.quick, seeds=args.seeds,
                      progress=lambda message: console.print(f"[lab {args.name}] {message}", highlight=False))
     print(result.summary)
     for path in result.files:
@@ -537,6 +540,9 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("overrides", nargs="*", help="dotted.key=value applied to every training run of the lab")
     lab.add_argument("--out", help="output directory (default runs/lab-NAME)")
     lab.add_argument("--quick", action="store_true", help="a tiny budget, for a smoke run")
+    lab.add_argument("--seeds", type=int, default=1,
+                     help="run every arm this many times (seeds seed, seed+1, ...) from the same warm-started "
+                          "student; the summary gives each number's spread over seeds (default 1)")
     lab.set_defaults(func=_cmd_lab)
 
     tasks = sub.add_parser("tasks", help="export or validate coding tasks (JSONL, one task a line)")

@@ -10,6 +10,8 @@ import tempfile
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # precision measurements (eval.dtype=auto) go to a directory of this session, never the user's cache
 os.environ.setdefault("KEELRL_PRECISION_CACHE", tempfile.mkdtemp(prefix="keel-precision-"))
+# and the labs' warm-started students (keelrl.labs.common.cached_student) too
+os.environ.setdefault("KEELRL_STUDENT_CACHE", tempfile.mkdtemp(prefix="keel-students-"))
 
 from dataclasses import replace
 from pathlib import Path

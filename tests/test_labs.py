@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+from pathlib import Path
 
 import pytest
 
 from keelrl.cli import main
 from keelrl.errors import ConfigError
 from keelrl.labs import LABS, lab_settings, run_lab
+from keelrl.labs.common import student_cache_dir
 
 
 def test_lab_list_and_unknown_names(capsys):
@@ -51,7 +54,7 @@ def test_user_overrides_win_over_each_variants_own_settings(tmp_path, monkeypatc
         def run(self):
             return {}
 
-    monkeypatch.setattr(common, "warm_model", lambda out, overrides: tmp_path / "warm")
+    monkeypatch.setattr(common, "warm_model", lambda out, overrides, progress=None: tmp_path / "warm")
     monkeypatch.setattr(trainer_module, "Trainer", Recorder)
 
     def lab(out, settings, quick, progress):  # a lab whose variant pins train.steps and the verifier
@@ -91,7 +94,8 @@ def test_training_labs_run_at_the_quick_budget(tmp_path, name):
     assert set(result.numbers) - {"lab_seconds"} == variants[name]
     assert result.numbers["lab_seconds"] > 0 and "Lab wall time" in result.summary
     assert all(path.exists() for path in result.files)
-    assert (tmp_path / "warm" / "model" / "config.json").exists()
+    student = json.loads((tmp_path / "warm" / "student.json").read_text())["model"]
+    assert (Path(student) / "config.json").exists()
     assert LABS[name][0]
 
 
@@ -110,7 +114,9 @@ def test_credit_lab_runs_its_three_variants_on_the_quick_budget_and_measures_tra
         rows = [json.loads(line) for line in (tmp_path / variant / "metrics.jsonl").read_text().splitlines()]
         assert sum(1 for row in rows if "credit/good_turns" in row) >= 1  # a step with a labelled turn measured it
         assert result.numbers[variant]["good_turns"] == good_turn_share(rows)[0]
-    assert (tmp_path / "warm" / "model" / "config.json").exists() and (tmp_path / "credit.png").stat().st_size > 1000
+    student = json.loads((tmp_path / "warm" / "student.json").read_text())["model"]
+    assert (Path(student) / "config.json").exists() and (tmp_path / "credit.png").stat().st_size > 1000
+    assert set(result.effects) == {"ppo-turn-gae - grpo", "grpo-prm - grpo"}
     assert "| grpo-prm |" in (tmp_path / "summary.md").read_text()
 
 
@@ -134,10 +140,13 @@ def test_distill_lab_runs_its_three_variants_on_the_quick_budget(tmp_path):
     assert lab_settings("distill", quick=True).index("model.path=tiny") > lab_settings("distill").index("model.path=smollm2")
     result = run_lab("distill", tmp_path, quick=True)
     assert {"grpo", "on-policy", "self"} <= set(result.numbers)
-    assert result.numbers["teacher"] == str(tmp_path / "teacher" / "model")
+    teacher = Path(result.numbers["teacher"])
+    assert teacher.parent.parent == student_cache_dir() and (teacher / "config.json").exists()
     # A teacher given on the command line goes to the on-policy variant alone (self has none).
-    again = run_lab("distill", tmp_path / "given", quick=True, overrides=[f"distill.teacher={tmp_path / 'teacher' / 'model'}"])
-    assert again.numbers["teacher"] == str(tmp_path / "teacher" / "model") and not (tmp_path / "given" / "teacher").exists()
+    given = tmp_path / "given-teacher"
+    shutil.copytree(teacher, given)
+    again = run_lab("distill", tmp_path / "given", quick=True, overrides=[f"distill.teacher={given}"])
+    assert again.numbers["teacher"] == str(given)
     assert (tmp_path / "teacher" / "model" / "config.json").exists()
     for variant in ("grpo", "on-policy", "self"):
         numbers = result.numbers[variant]

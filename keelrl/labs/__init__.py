@@ -1,18 +1,20 @@
 """Labs: small, reproducible experiments that show a failure mode and its remedy side by side.
 
-`keel lab NAME [--out DIR] [--quick] [key=value ...]` runs one lab on CPU within a small budget
+`keel lab NAME [--out DIR] [--quick] [--seeds K] [key=value ...]` runs one lab on CPU within a small budget
 and writes, into its directory (runs/lab-NAME by default): `summary.md` (what was run and the
 headline numbers), `results.json` (every number behind them) and one or more PNG charts.
 `--quick` shrinks everything for a smoke run; overrides apply to every training run of the
 lab (e.g. `device=cuda`).
 
-Labs that compare training variants share one warm start: it runs once, is saved under
-warm/model, and every variant starts RL from it with the same seed, so the variants differ in
-the one setting the lab is about.
+Labs that compare training variants share one warm start: it runs once per machine and config,
+is kept in keelrl's cache (`keelrl.labs.common.cached_student`; warm/student.json names it), and
+every variant starts RL from it with the same seed, so the variants differ in the one setting the
+lab is about. `--seeds K` repeats every arm at K seeds from that same student and reports each
+number's spread over seeds and each effect's verdict against the noise (`keelrl.labs.seeds`).
 
 One module per lab, each described in its docstring: `stale_ratios`, `dynamic_sampling`,
 `entropy`, `reward_hacking`, and `credit` and `distill` (on SmolLM2); `common` holds their shared
-settings and helpers. This module keeps the registry (`LABS`) and `run_lab`.
+settings and helpers, `seeds` the statistics over seeds. This module keeps the registry (`LABS`) and `run_lab`.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from keelrl.labs.common import (ENTROPY, GUESS, HACK, LAB_FAST, QUICK, QUICK_GUESS, USER_OVERRIDES, LabResult,
+from keelrl.labs.common import (ENTROPY, GUESS, HACK, LAB_FAST, QUICK, QUICK_GUESS, RL_SEED, USER_OVERRIDES, LabResult,
                                 config)
 from keelrl.labs.credit import CREDIT, CREDIT_QUICK, lab_credit
 from keelrl.labs.distill import DISTILL, DISTILL_QUICK, lab_distill
 from keelrl.labs.dynamic_sampling import lab_dynamic_sampling
 from keelrl.labs.entropy import lab_entropy
 from keelrl.labs.reward_hacking import lab_reward_hacking
+from keelrl.labs.seeds import combine, effects_section
 from keelrl.labs.stale_ratios import RATIO_CLIPS, lab_stale_ratios
 
 __all__ = [
@@ -69,25 +72,54 @@ def lab_settings(name: str, overrides: Sequence[str] = (), quick: bool = False) 
 
 
 def run_lab(name: str, out: str | Path | None = None, overrides: Sequence[str] = (), quick: bool = False,
-            progress: Callable[[str], None] | None = None) -> LabResult:
-    """Run lab `name` into `out` (default runs/lab-NAME); writes summary.md and results.json."""
+            progress: Callable[[str], None] | None = None, seeds: int = 1) -> LabResult:
+    """Run lab `name` into `out` (default runs/lab-NAME); writes summary.md and results.json.
+
+    With `seeds` K > 1 every arm runs K times, at seeds seed .. seed + K - 1 (the config's seed
+    first), each repetition into out/seed-N/ from the same cached warm start; the summary and
+    results give every number's mean and spread over seeds and each effect's verdict
+    (`keelrl.labs.seeds`)."""
     if name not in LABS:
         raise KeyError(f"unknown lab {name!r}; valid names: {', '.join(LABS)}")
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise ValueError(f"seeds must be an integer >= 1, got {seeds!r}")
     directory = Path(out or f"runs/lab-{name}")
-    directory.mkdir(parents=True, exist_ok=True)
     function = LABS[name][1]
     settings = lab_settings(name, overrides, quick)
-    config(directory, settings)  # a bad override fails here, before any work
+    first_seed = config(directory, settings).seed  # a bad override fails here, before any work
+    directory.mkdir(parents=True, exist_ok=True)
+    say = progress or (lambda message: None)
     started = time.monotonic()
     token = USER_OVERRIDES.set(tuple(overrides))
     try:
-        result = function(directory, settings, quick, progress or (lambda message: None))
+        if seeds == 1:
+            result = function(directory, settings, quick, say)
+            result.summary += "\n\n" + effects_section([result]) if result.effects else ""
+        else:
+            results: list[LabResult] = []
+            chosen = list(range(first_seed, first_seed + seeds))
+            for seed in chosen:
+                say(f"seed {seed} ({len(results) + 1} of {seeds})")
+                (directory / f"seed-{seed}").mkdir(exist_ok=True)
+                seed_token = RL_SEED.set((f"seed={seed}",))
+                try:
+                    one = function(directory / f"seed-{seed}", settings, quick, say)
+                finally:
+                    RL_SEED.reset(seed_token)
+                write_result(directory / f"seed-{seed}", one)
+                results.append(one)
+            result = combine(name, chosen, results)
     finally:
         USER_OVERRIDES.reset(token)
     seconds = time.monotonic() - started
     result.numbers = {**result.numbers, "lab_seconds": round(seconds, 1)}
-    result.summary += f"\n\nLab wall time: {seconds:.0f} s."
+    result.summary += f"\n\nLab wall time: {seconds:.0f} s" + (f" ({seconds / seeds:.0f} s a seed)." if seeds > 1 else ".")
+    write_result(directory, result)
+    return result
+
+
+def write_result(directory: Path, result: LabResult) -> None:
+    """summary.md and results.json of `result` into `directory`, added to its files."""
     (directory / "summary.md").write_text(result.summary + "\n")
     (directory / "results.json").write_text(json.dumps(result.numbers, indent=2, default=str))
     result.files += [directory / "summary.md", directory / "results.json"]
-    return result

@@ -3,7 +3,15 @@ train variants from it, read their metrics and draw and tabulate the results."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import hashlib
+import json
 import math
+import os
+import shutil
+import tempfile
+import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +52,24 @@ class LabResult:
     numbers: dict[str, Any]
     summary: str
     files: list[Path] = field(default_factory=list)
+    effects: dict[str, tuple[float, float | None]] = field(default_factory=dict)
+    """The lab's headline comparisons, each a remedy arm against its baseline on the same
+    held-out tasks: name -> (the difference in strict success, its paired standard error over
+    tasks, None when undefined): `paired_effect`. `keelrl.labs.seeds` gives each a verdict."""
+
+
+def final_outcomes(run_dir: Path) -> dict[str, bool]:
+    """The per-task strict outcomes of a run's last held-out evaluation (summary.json)."""
+    return json.loads((run_dir / "summary.json").read_text())["heldout"]["final"]["task_success"]
+
+
+def paired_effect(out: Path, baseline: str, remedy: str) -> tuple[float, float | None]:
+    """Variant `remedy`'s final held-out strict success minus `baseline`'s, over the tasks both
+    evaluated, with its paired standard error (None when undefined)."""
+    from keelrl.train.evaluation import finite_or_none, paired_difference
+
+    difference, se = paired_difference(final_outcomes(out / baseline), final_outcomes(out / remedy))
+    return difference, finite_or_none(se)
 
 
 def pyplot() -> Any:
@@ -61,28 +87,104 @@ def config(out: Path, overrides: Sequence[str]) -> Any:
     return load_config(overrides=[f"run_dir={out}", *overrides])
 
 
-def warm_model(out: Path, overrides: Sequence[str]) -> Path:
-    """Warm-start once into out/warm/model (reused when already there); returns the model dir."""
+def student_cache_dir() -> Path:
+    """Where warm-started students are kept: `$KEELRL_STUDENT_CACHE` if set, else the students/
+    folder of keelrl's cache (`keelrl.policy.download.model_cache_dir`)."""
+    from keelrl.policy.download import model_cache_dir
+
+    configured = os.environ.get("KEELRL_STUDENT_CACHE")
+    return Path(configured).expanduser() if configured else model_cache_dir() / "students"
+
+
+@functools.lru_cache(maxsize=1)
+def source_hash() -> str:
+    """sha256 over keelrl's own Python source: a student made by other code is not reused."""
+    import keelrl
+
+    digest = hashlib.sha256()
+    root = Path(keelrl.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def student_key(cfg: Any) -> str:
+    """The cache key of the student `cfg`'s warm start makes: sha256 of the resolved config as
+    YAML (run_dir aside), keelrl's version and `source_hash`."""
+    import keelrl
+    from keelrl.config import dump_config
+
+    text = dump_config(dataclasses.replace(cfg, run_dir=""))
+    return hashlib.sha256(f"{text}\0{keelrl.__version__}\0{source_hash()}".encode()).hexdigest()
+
+
+def cached_student(overrides: Sequence[str], progress: Callable[[str], None] = lambda message: None,
+                   label: str = "student") -> Path:
+    """The model `overrides`' warm start makes (`Trainer.warm_start`), made once per machine and
+    kept in `student_cache_dir()` under `student_key`; later calls with the same config, from any
+    lab, reuse it. Returns its model directory (a Hugging Face model and tokenizer); student.json
+    beside it holds the key, the config that made it and the warm start's seconds and figures."""
+    from keelrl.config import dump_config
+    from keelrl.runs import atomic_write_text
     from keelrl.train.trainer import Trainer
 
-    target = out / "warm" / "model"
-    if (target / "config.json").exists():
-        return target
-    trainer = Trainer(config(out / "warm", overrides))
-    trainer.warm_start()
-    trainer.model.save_pretrained(target)
-    trainer.tokenizer.save_pretrained(target)
-    return target
+    cache = student_cache_dir()
+    cfg = config(cache / "building", overrides)
+    key = student_key(cfg)
+    target = cache / key[:24]
+    if (target / "student.json").exists() and (target / "model" / "config.json").exists():
+        progress(f"the {label}: reusing the warm-started model in {target}")
+        return target / "model"
+    progress(f"making the {label}: warm-starting once; kept in {target} for every lab after")
+    cache.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(prefix=f".{key[:24]}-", dir=cache))
+    try:
+        started = time.monotonic()
+        trainer = Trainer(config(building / "run", overrides))
+        figures = trainer.warm_start()
+        trainer.model.save_pretrained(building / "model")
+        trainer.tokenizer.save_pretrained(building / "model")
+        atomic_write_text(building / "student.json", json.dumps(
+            {"key": key, "label": label, "seconds": round(time.monotonic() - started, 1), "warm_start": figures,
+             "config": dump_config(dataclasses.replace(cfg, run_dir=""))}, indent=2, default=str))
+        shutil.rmtree(building / "run", ignore_errors=True)
+        try:
+            building.rename(target)
+        except OSError:  # another process made it first: theirs is the same student
+            if not (target / "student.json").exists():
+                raise
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
+    return target / "model"
+
+
+def warm_model(out: Path, overrides: Sequence[str], progress: Callable[[str], None] = lambda message: None) -> Path:
+    """The labs' shared warm start (`cached_student` of `overrides`); out/warm/student.json
+    names it. Returns its model directory."""
+    model = cached_student(overrides, progress)
+    (out / "warm").mkdir(parents=True, exist_ok=True)
+    (out / "warm" / "student.json").write_text(json.dumps({"model": str(model)}, indent=2) + "\n")
+    return model
 
 
 def warm_tokenizer(out: Path) -> Any:
+    """The tokenizer of the warm start out/warm/student.json names."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(out / "warm" / "model")
+    return AutoTokenizer.from_pretrained(json.loads((out / "warm" / "student.json").read_text())["model"])
 
 
 USER_OVERRIDES: ContextVar[tuple[str, ...]] = ContextVar("keel_lab_user_overrides", default=())
 """The overrides the user gave `run_lab`: they win over every setting a lab makes, its variants' too."""
+
+RL_SEED: ContextVar[tuple[str, ...]] = ContextVar("keel_lab_rl_seed", default=())
+"""`seed=N` while `run_lab` runs one seed of several: every variant's RL run takes it (after the
+user's overrides); the warm start, shared by the seeds, does not."""
+
+
+def variant_settings() -> list[str]:
+    """What every variant's run ends with: the user's overrides, then the seed of this repetition."""
+    return [*USER_OVERRIDES.get(), *RL_SEED.get()]
 
 
 def train_variants(out: Path, variants: dict[str, list[str]], overrides: Sequence[str],
@@ -96,12 +198,12 @@ def train_variants(out: Path, variants: dict[str, list[str]], overrides: Sequenc
     from keelrl.runs import read_metrics
     from keelrl.train.trainer import Trainer
 
-    model = warm_model(out, overrides)
+    model = warm_model(out, overrides, progress)
     runs = {}
     for label, extra in variants.items():
         progress(f"training variant {label!r}")
         run_dir = out / label
-        trainer = Trainer(config(run_dir, [*overrides, *extra, *USER_OVERRIDES.get(),
+        trainer = Trainer(config(run_dir, [*overrides, *extra, *variant_settings(),
                                            f"model.path={model}", "warm_start.demos=0"]))
         trainer.run()
         runs[label] = read_metrics(run_dir)

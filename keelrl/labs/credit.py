@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from keelrl.labs.common import (LabResult, first, last, markdown_table, mean, plot_variants, series,
+from keelrl.labs.common import (LabResult, paired_effect, first, last, markdown_table, mean, plot_variants, series,
                                 steps_run, train_variants)
 
 CREDIT = ["model.path=smollm2", "train.steps=4", "eval.every=2", "eval.tasks=60", "prm.enabled=true",
@@ -82,4 +82,5 @@ def lab_credit(out: Path, overrides: Sequence[str], quick: bool, progress: Calla
         "lecture's trajectory B), pooled over the steps; the share is those whose mean advantage over "
         "the turn's tokens was positive. GRPO gives them their episode's sign; per-turn credit can "
         "reward them.", "", f"Chart: {chart.name}"])
-    return LabResult("credit", numbers, summary, [chart])
+    return LabResult("credit", numbers, summary, [chart],
+                     {f"{label} - grpo": paired_effect(out, "grpo", label) for label in ("ppo-turn-gae", "grpo-prm")})

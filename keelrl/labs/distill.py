@@ -18,7 +18,8 @@ A user's `model.path=` is taken as the student as is.
 
 The teacher is `distill.teacher=PATH` when given (e.g. the default run's
 `checkpoints/step-N/model`), else the lab makes one first: SmolLM2 warm-started on
-`TEACHER_DEMOS` fixes. Held-out strict success (one greedy attempt per task, the strong
+`TEACHER_DEMOS` fixes. Student and teacher are cached students (`keelrl.labs.common.cached_student`):
+made once per machine and config, reused by every later run of the lab. Held-out strict success (one greedy attempt per task, the strong
 verifier) is measured on the same tasks before RL and every `eval.every` steps. The start
 is evaluated once, in the first variant's run: the three start from the same weights and greedy
 decoding is deterministic, so the other two reuse that figure (`eval.before_rl=false`)
@@ -37,8 +38,8 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from keelrl.labs.common import (USER_OVERRIDES, LabResult, config, first, last, markdown_table, mean, plot_variants,
-                                series, steps_run)
+from keelrl.labs.common import (USER_OVERRIDES, LabResult, cached_student, paired_effect, config, first, last, markdown_table, mean,
+                                plot_variants, series, steps_run, variant_settings)
 
 DISTILL = ["model.path=smollm2", "rollout.engine=sync", "rollout.tasks_per_step=4", "rollout.group_size=4",
            "train.steps=4", "eval.every=2", "eval.tasks=32", "train.minibatch_size=4", "optim.lr=5e-5",
@@ -60,20 +61,10 @@ TEACHER_DEMOS = 128
 """The teacher made when none is given: 32 updates on 128 fixes, the default run's warm start."""
 
 
-def warm_started(out: Path, name: str, demos: int, overrides: Sequence[str], progress: Callable[[str], None]) -> Path:
-    """The lab's model warm-started on `demos` of the scripted teacher's fixes, saved in
-    out/NAME/model (reused when already there)."""
-    from keelrl.train.trainer import Trainer
-
-    target = out / name / "model"
-    if (target / "config.json").exists():
-        return target
-    progress(f"making the {name}: the model warm-started on {demos} of the scripted teacher's fixes")
-    trainer = Trainer(config(out / name, [*overrides, f"warm_start.demos={demos}", "distill.mode=none"]))
-    trainer.warm_start()
-    trainer.model.save_pretrained(target)
-    trainer.tokenizer.save_pretrained(target)
-    return target
+def warm_started(name: str, demos: int, overrides: Sequence[str], progress: Callable[[str], None]) -> Path:
+    """The lab's model warm-started on `demos` of the scripted teacher's fixes: a cached student
+    (`keelrl.labs.common.cached_student`), made once per machine and config."""
+    return cached_student([*overrides, f"warm_start.demos={demos}", "distill.mode=none"], progress, name)
 
 
 def lab_distill(out: Path, overrides: Sequence[str], quick: bool, progress: Callable[[str], None]) -> LabResult:
@@ -87,10 +78,10 @@ def lab_distill(out: Path, overrides: Sequence[str], quick: bool, progress: Call
         return values[-1] if values else None
 
     base = without_teacher(overrides)
-    teacher = given("distill.teacher") or warm_started(out, "teacher", 8 if quick else TEACHER_DEMOS, base, progress)
+    teacher = given("distill.teacher") or warm_started("teacher", 8 if quick else TEACHER_DEMOS, base, progress)
     user_student = any(o.startswith("model.path=") for o in USER_OVERRIDES.get())
-    student = given("model.path") if user_student else warm_started(out, "student", 4 if quick else STUDENT_DEMOS,
-                                                                     base, progress)
+    student = given("model.path") if user_student else warm_started("student", 4 if quick else STUDENT_DEMOS, base,
+                                                                     progress)
     variants = {"grpo": ["distill.mode=none"],
                 "on-policy": ["distill.mode=on_policy", "distill.form=loss", "distill.divergence=reverse_kl",
                               f"distill.teacher={teacher}"],
@@ -98,7 +89,7 @@ def lab_distill(out: Path, overrides: Sequence[str], quick: bool, progress: Call
     first_run = True
     for label, extra in variants.items():
         progress(f"training variant {label!r}")
-        settings = [*base, f"model.path={student}", *extra, *without_teacher(USER_OVERRIDES.get()),
+        settings = [*base, f"model.path={student}", *extra, *without_teacher(variant_settings()),
                     *([] if first_run else ["eval.before_rl=false"])]
         summary = Trainer(config(out / label, settings)).run()
         if first_run and "warm_start" not in summary.get("heldout", {}):
@@ -163,4 +154,5 @@ def distill_summary(out: Path, labels: Sequence[str], teacher: str, student: str
                         f"after - {reference}'s after (paired SE)", "training reward (mean)",
                         "malformed actions (last step)", "KL to teacher per token (first -> last step)"], rows), "",
         " ".join(verdict), "", f"Chart: {chart.name}"])
-    return LabResult("distill", numbers, summary_md, [chart])
+    return LabResult("distill", numbers, summary_md, [chart],
+                     {f"{label} - {reference}": paired_effect(out, reference, label) for label in others})

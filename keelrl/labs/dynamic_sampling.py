@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Sequence
 
-from keelrl.labs.common import (LabResult, first, last, markdown_table, mean, plot_variants, series,
+from keelrl.labs.common import (LabResult, paired_effect, first, last, markdown_table, mean, plot_variants, series,
                                 steps_run, train_variants)
 
 def lab_dynamic_sampling(out: Path, overrides: Sequence[str], quick: bool,
@@ -41,4 +41,5 @@ def lab_dynamic_sampling(out: Path, overrides: Sequence[str], quick: bool,
                                          for k, v in numbers.items()]), "",
                          "With dynamic sampling every trained group has mixed rewards (zero-advantage fraction 0); "
                          "the price is the extra groups drawn per kept group.", "", f"Chart: {chart.name}"])
-    return LabResult("dynamic-sampling", numbers, summary, [chart])
+    return LabResult("dynamic-sampling", numbers, summary, [chart],
+                     {"dynamic sampling (dapo - dapo-no-dynamic)": paired_effect(out, "dapo-no-dynamic", "dapo")})

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from keelrl.labs.common import (LabResult, alarms, config, first, last, markdown_table, mean, plot_variants,
+from keelrl.labs.common import (LabResult, paired_effect, alarms, config, first, last, markdown_table, mean, plot_variants,
                                 series, steps_run, train_variants, warm_tokenizer)
 
 def lab_entropy(out: Path, overrides: Sequence[str], quick: bool, progress: Callable[[str], None]) -> LabResult:
@@ -65,4 +65,5 @@ def lab_entropy(out: Path, overrides: Sequence[str], quick: bool, progress: Call
          f"{plain['entropy_first']:.3g}); the collapse the lecture describes needs longer training than this lab's."),
         *[bonus_line(label) for label in numbers if label != "no-bonus"],
         "", f"Chart: {chart.name}"])
-    return LabResult("entropy", numbers, summary, [chart])
+    return LabResult("entropy", numbers, summary, [chart],
+                     {f"{label} - no-bonus": paired_effect(out, "no-bonus", label) for label in ("bonus-0.005", "bonus-0.05")})

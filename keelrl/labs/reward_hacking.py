@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from keelrl.labs.common import (LabResult, alarm_events, first, last, markdown_table, mean, plot_variants,
+from keelrl.labs.common import (LabResult, paired_effect, alarm_events, first, last, markdown_table, mean, plot_variants,
                                 series, steps_run, train_variants)
 
 def lab_reward_hacking(out: Path, overrides: Sequence[str], quick: bool,
@@ -82,4 +82,5 @@ def lab_reward_hacking(out: Path, overrides: Sequence[str], quick: bool,
          "No divergence alarm on `weak` in this run."),
         "Read weak/samples/ and weak/alarms/ for the trajectories: the invalid-turn share shows the hack "
         "(ending on an invalid action) spreading under `weak`.", "", f"Chart: {chart.name}"])
-    return LabResult("reward-hacking", numbers, summary, [chart])
+    return LabResult("reward-hacking", numbers, summary, [chart],
+                     {"the strong verifier (strong - weak)": paired_effect(out, "weak", "strong")})

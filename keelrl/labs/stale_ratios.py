@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from keelrl.labs.common import LabResult, config, markdown_table, pyplot
+from keelrl.labs.common import LabResult, config, markdown_table, pyplot, variant_settings
 
 RATIO_CLIPS = {"token": ("ppo", 0.2, 0.2), "sequence": ("gspo", 3e-4, 4e-4), "cumulative": ("ppo", 0.2, 0.2),
                "ctpo": ("ctpo", 0.2, 0.28)}
@@ -26,7 +26,7 @@ def lab_stale_ratios(out: Path, overrides: Sequence[str], quick: bool,
     from keelrl.train.trainer import Trainer
 
     staleness = 2 if quick else 4
-    cfg = config(out / "run", list(overrides))
+    cfg = config(out / "run", [*overrides, *variant_settings()])
     trainer = Trainer(cfg)
     progress("warm start")
     trainer.warm_start()

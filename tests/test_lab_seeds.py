@@ -1,0 +1,107 @@
+"""Labs over seeds (`keel lab NAME --seeds K`) and the cached student every lab starts from."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from conftest import FAST_RUN
+
+import keelrl.labs as labs
+import keelrl.labs.common as common
+from keelrl.cli import main
+from keelrl.config import TINY_RUN
+from keelrl.labs.seeds import numeric_leaves, over_seeds, spread, verdicts
+
+
+def result(numbers, effects=None):
+    return labs.LabResult("fake", numbers, "", [], effects or {})
+
+
+def test_spread_and_leaves_against_hand_worked_numbers():
+    s = spread([0.1, 0.3, 0.5])
+    assert s["mean"] == pytest.approx(0.3) and s["sd"] == pytest.approx(0.2)  # sqrt((0.04 + 0 + 0.04) / 2)
+    assert (s["min"], s["max"]) == (0.1, 0.5) and spread([2.0])["sd"] is None
+    assert numeric_leaves({"a": {"b": 1, "c": [1, 2], "d": "x", "e": float("nan")}, "f": 2.5, "g": True}) == {
+        "a.b": 1.0, "f": 2.5}
+    table = over_seeds([result({"arm": {"after": 0.2}, "only_here": 1.0}), result({"arm": {"after": 0.4}})])
+    assert list(table) == ["arm.after"] and table["arm.after"]["mean"] == pytest.approx(0.3)
+
+
+def test_an_effect_is_called_within_the_noise_from_the_seeds_spread_and_the_tasks_error():
+    # effect +0.10, +0.12, +0.08 (mean 0.10, s.d. 0.02) with paired SEs 0.03, 0.03, 0.03:
+    # noise = sqrt(0.02^2 / 3 + 0.03^2) = 0.03215; 0.10 > 2 x 0.03215, so it helped.
+    seeds = [result({}, {"remedy - base": (value, 0.03)}) for value in (0.10, 0.12, 0.08)]
+    found = verdicts(seeds)["remedy - base"]
+    assert found["noise"] == pytest.approx(math.sqrt(0.02 ** 2 / 3 + 0.03 ** 2))
+    assert found["verdict"] == "helped" and found["seeds"] == 3
+    # the same mean with a wide spread over seeds (-0.2, 0.1, 0.4: s.d. 0.3) is within the noise
+    wide = verdicts([result({}, {"remedy - base": (value, 0.03)}) for value in (-0.2, 0.1, 0.4)])["remedy - base"]
+    assert wide["sd"] == pytest.approx(0.3) and wide["verdict"] == "within the noise"
+    # and a clear loss is called one
+    assert verdicts([result({}, {"x": (-0.3, 0.05)}), result({}, {"x": (-0.25, 0.05)})])["x"]["verdict"] == "hurt"
+
+
+def test_run_lab_repeats_every_arm_at_consecutive_seeds_and_combines_them(tmp_path, monkeypatch):
+    seen = []
+
+    def lab(out, settings, quick, progress):  # the variants' settings carry the repetition's seed
+        seed = int(common.variant_settings()[-1].split("=")[1])
+        seen.append((out.name, common.variant_settings()))
+        return labs.LabResult("fake", {"arm": {"after": 0.1 * seed}}, f"seed {seed}", [],
+                              {"remedy - base": (0.05 * seed, 0.01)})
+
+    monkeypatch.setitem(labs.LABS, "fake", ("a fake lab", lab, labs.GUESS))
+    combined = labs.run_lab("fake", tmp_path, ["seed=4", "optim.lr=1e-4"], seeds=3)
+    assert [name for name, _ in seen] == ["seed-4", "seed-5", "seed-6"]
+    assert seen[0][1] == ["seed=4", "optim.lr=1e-4", "seed=4"]  # the user's overrides, then the seed
+    assert combined.numbers["seeds"] == [4, 5, 6]
+    assert combined.numbers["over_seeds"]["arm.after"]["mean"] == pytest.approx(0.5)
+    assert combined.numbers["effects"]["remedy - base"]["mean"] == pytest.approx(0.25)
+    for seed in (4, 5, 6):
+        assert (tmp_path / f"seed-{seed}" / "summary.md").read_text().startswith(f"seed {seed}")
+        assert json.loads((tmp_path / f"seed-{seed}" / "results.json").read_text())["arm"]["after"] == pytest.approx(0.1 * seed)
+    summary = (tmp_path / "summary.md").read_text()
+    assert "3 seeds" in summary and "| remedy - base | +0.250 |" in summary and "a seed)" in summary
+    assert json.loads((tmp_path / "results.json").read_text())["per_seed"]["5"]["arm"]["after"] == pytest.approx(0.5)
+    assert common.variant_settings() == []  # the seed does not outlive the lab
+    with pytest.raises(ValueError, match="seeds"):
+        labs.run_lab("fake", tmp_path, seeds=0)
+
+
+def test_one_seed_says_its_noise_is_the_tasks_alone(tmp_path, monkeypatch):
+    def lab(out, settings, quick, progress):
+        return labs.LabResult("fake", {}, "one run", [], {"remedy - base": (0.01, 0.02)})
+
+    monkeypatch.setitem(labs.LABS, "fake", ("a fake lab", lab, labs.GUESS))
+    summary = labs.run_lab("fake", tmp_path).summary
+    assert "within the noise" in summary and "One seed" in summary and "remedy - base" in summary
+
+
+def test_keel_lab_refuses_fewer_than_one_seed(capsys):
+    assert main(["lab", "entropy", "--seeds", "0"]) == 2
+    assert "--seeds must be >= 1" in capsys.readouterr().err
+
+
+def test_the_student_is_made_once_per_config_and_source_and_reused(tiny_model_dir, tmp_path, monkeypatch):
+    import keelrl.train.trainer as trainer_module
+
+    monkeypatch.setenv("KEELRL_STUDENT_CACHE", str(tmp_path / "students"))
+    made = []
+    warm_start = trainer_module.Trainer.warm_start
+    monkeypatch.setattr(trainer_module.Trainer, "warm_start", lambda self: made.append(1) or warm_start(self))
+    overrides = [*TINY_RUN, *FAST_RUN, f"model.path={tiny_model_dir}"]
+    messages = []
+    first = common.cached_student(overrides, messages.append)
+    again = common.cached_student([*overrides, f"run_dir={tmp_path / 'elsewhere'}"], messages.append)
+    assert first == again and len(made) == 1 and "reusing" in messages[-1]
+    record = json.loads((first.parent / "student.json").read_text())
+    assert record["key"].startswith(first.parent.name) and "demos: 4" in record["config"]
+    assert (first / "config.json").exists() and (first / "tokenizer_config.json").exists()
+    assert [p.name for p in (tmp_path / "students").iterdir()] == [first.parent.name]  # nothing half-built left
+    # another warm-start setting, or other keelrl source, makes another student
+    other = common.cached_student([*overrides, "warm_start.lr=1e-3"])
+    monkeypatch.setattr(common, "source_hash", lambda: "other code")
+    newer = common.cached_student(overrides)
+    assert len({first, other, newer}) == 3 and len(made) == 3
