@@ -107,6 +107,27 @@ def test_a_context_past_the_engines_length_is_refused_naming_it(decoder):
         decoder.generate([[5] * 600], SamplingParams(max_new_tokens=4), seeds=[0])
 
 
+def test_the_benchmarks_timed_calls_start_cold_without_an_earlier_calls_prompts(small, decoder):
+    """bench.bench_vllm.cold: vLLM's automatic prefix caching serves a repeated call's prompts from its
+    cache (a benchmark's second call would skip most of its prefill); after `cold` (the weights loaded
+    anew through the seam, as after a publish) it serves none of them. (Before the tests that build engines
+    of their own: closing one tears down the process's vLLM state the module's decoder runs on.)"""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench.bench_vllm import cold
+
+    model, tokenizer = small
+    prompts = [[40 + (i * 7 + row) % 80 for i in range(300)] for row in range(3)]  # two full 128-token blocks each
+    params = SamplingParams(temperature=0.0, max_new_tokens=2, stop=())
+    decoder.generate(prompts, params, seeds=[0, 0, 0])
+    before = decoder.stats["cached_tokens"]
+    decoder.generate(prompts, params, seeds=[0, 0, 0])
+    assert decoder.stats["cached_tokens"] - before >= 3 * 128  # the repeat came from the cache
+    cold(decoder, model, tokenizer, decoder.version + 1)
+    before = decoder.stats["cached_tokens"]
+    decoder.generate(prompts, params, seeds=[0, 0, 0])
+    assert decoder.stats["cached_tokens"] == before
+
+
 def test_it_samples_with_a_lora_adapter_and_fails_without_it(small):
     """A peft policy: the decoder gets the adapter merged in (keelrl.policy.lora.merged_state_dict),
     so its greedy tokens and log-probs are the adapted model's, not the base's."""
@@ -186,23 +207,3 @@ def test_the_benchmark_runs_every_decoder_on_the_same_work(tmp_path):
     assert all(decode[name]["tokens"] == decode["rows"] * decode["new_tokens"] for name in ("keel", "vllm", "hf"))
     assert {w["label"] for w in section.data["workloads"]} == {"evaluation", "rollouts"}
     assert all(r.value > 0 for r in section.ratios)
-
-
-def test_the_benchmarks_timed_calls_start_cold_without_an_earlier_calls_prompts(small, decoder):
-    """bench.bench_vllm.cold: vLLM's automatic prefix caching serves a repeated call's prompts from its
-    cache (a benchmark's second call would skip most of its prefill); after `cold` (the weights loaded
-    anew through the seam, as after a publish) it serves none of them."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from bench.bench_vllm import cold
-
-    model, tokenizer = small
-    prompts = [[40 + (i * 7 + row) % 80 for i in range(300)] for row in range(3)]  # two full 128-token blocks each
-    params = SamplingParams(temperature=0.0, max_new_tokens=2, stop=())
-    decoder.generate(prompts, params, seeds=[0, 0, 0])
-    before = decoder.stats["cached_tokens"]
-    decoder.generate(prompts, params, seeds=[0, 0, 0])
-    assert decoder.stats["cached_tokens"] - before >= 3 * 128  # the repeat came from the cache
-    cold(decoder, model, tokenizer, decoder.version + 1)
-    before = decoder.stats["cached_tokens"]
-    decoder.generate(prompts, params, seeds=[0, 0, 0])
-    assert decoder.stats["cached_tokens"] == before
