@@ -7,8 +7,9 @@ run, with the step and the numbers that tripped it:
 - `divergence`: training reward rose by at least `divergence_reward_gain` between two
   independent evaluations while the eval metric did not rise by more than
   `divergence_eval_gain`: the reward is probably being hacked ("go read trajectories").
-  Training reward is averaged over `window` steps ending at each eval (the first `window` RL
-  steps stand in for the pre-RL eval at step 0). Each evaluation is compared with the latest
+  Training reward is averaged over `window` steps ending at each eval; the first RL step's
+  stands in for the pre-RL eval at step 0 (the pre-RL policy sampled its rollouts; a mean over
+  the first `window` steps would be the very window the next eval's is averaged over). Each evaluation is compared with the latest
   one at least `window` steps before it (the first one while there is none), so an eval metric
   logged every step (the held-out probe) is compared across a window, not step to step. The
   eval metric is `eval_metric`; auto reads the probe (probe/success) once the run has logged
@@ -101,8 +102,8 @@ def _mean_reward_ending_at(monitor: AlarmMonitor, step: int) -> float | None:
     if not rewards:
         return None
     window = monitor.cfg.window
-    if step < 1:  # the pre-RL eval: the first RL steps stand in for it
-        chosen = rewards[:window]
+    if step < 1:  # the pre-RL eval: the first RL step stands in (the pre-RL policy sampled its rollouts)
+        chosen = rewards[:1]
     else:
         chosen = [(s, r) for s, r in rewards if step - window < s <= step]
     return sum(r for _, r in chosen) / len(chosen) if chosen else None

@@ -61,13 +61,13 @@ def divergence_step(rows, **cfg):
 
 def test_the_divergence_alarm_reads_the_probe_across_a_window_and_acts_before_the_next_evaluation():
     rows = rising_reward_rows()
-    # auto reads the probe. Steps 1-3 compare with step 0, whose reward stands in as the first
-    # steps' own (gain 0); step 4 compares with step 1, the latest at least 3 steps back: reward
-    # 0.1 (steps -2..1 of which step 1 exists) -> 0.3 (steps 2..4), a gain of 0.2 >= 0.1, probe flat.
+    # auto reads the probe. Steps 1-3 compare with step 0, whose reward is the first RL step's
+    # (0.1: the pre-RL policy sampled it): step 2's window (steps 1-2, 0.15) gains 0.05; step 3's
+    # (steps 1-3, 0.2) gains 0.1 >= 0.1 while the probe stays flat.
     step, event = divergence_step(rows)
-    assert step == 4
-    assert event.values["since_step"] == 1.0
-    assert event.values["train_reward_then"] == pytest.approx(0.1) and event.values["train_reward_now"] == pytest.approx(0.3)
+    assert step == 3
+    assert event.values["since_step"] == 0.0
+    assert event.values["train_reward_then"] == pytest.approx(0.1) and event.values["train_reward_now"] == pytest.approx(0.2)
     assert "probe/success" in event.message
     # the full evaluation alone fires only when it comes, at step 8
     assert divergence_step(rows, eval_metric="eval/success")[0] == 8
