@@ -96,6 +96,10 @@ def test_the_student_is_made_once_per_config_and_source_and_reused(tiny_model_di
     first = common.cached_student(overrides, messages.append)
     again = common.cached_student([*overrides, f"run_dir={tmp_path / 'elsewhere'}"], messages.append)
     assert first == again and len(made) == 1 and "reusing" in messages[-1]
+    # settings only RL reads (steps, the algorithm, the evaluation, the batch's shape) share it
+    rl_only = ["train.steps=9", "algo.preset=grpo", "optim.lr=1e-3", "eval.tasks=7", "rollout.tasks_per_step=3",
+               "rollout.group_size=5", "monitor.window=4", "prm.enabled=true"]
+    assert common.cached_student([*overrides, *rl_only], messages.append) == first and len(made) == 1
     record = json.loads((first.parent / "student.json").read_text())
     assert record["key"].startswith(first.parent.name) and "demos: 4" in record["config"]
     assert (first / "config.json").exists() and (first / "tokenizer_config.json").exists()
@@ -105,3 +109,27 @@ def test_the_student_is_made_once_per_config_and_source_and_reused(tiny_model_di
     monkeypatch.setattr(common, "source_hash", lambda: "other code")
     newer = common.cached_student(overrides)
     assert len({first, other, newer}) == 3 and len(made) == 3
+
+
+def test_the_source_hash_covers_the_code_a_warm_start_runs_and_not_the_labs(tmp_path, monkeypatch):
+    import keelrl
+
+    package = tmp_path / "keelrl"
+    for relative in ("__init__.py", "train/warm_start.py", "labs/credit.py", "audit/probes.py", "cli.py"):
+        (package / relative).parent.mkdir(parents=True, exist_ok=True)
+        (package / relative).write_text(f"# {relative}\n")
+    monkeypatch.setattr(keelrl, "__file__", str(package / "__init__.py"))
+
+    def digest() -> str:
+        common.source_hash.cache_clear()
+        return common.source_hash()
+
+    try:
+        start = digest()
+        for relative in ("labs/credit.py", "audit/probes.py", "cli.py"):  # never run in a warm start
+            (package / relative).write_text("# edited\n")
+            assert digest() == start, relative
+        (package / "train/warm_start.py").write_text("# edited\n")
+        assert digest() != start
+    finally:
+        common.source_hash.cache_clear()

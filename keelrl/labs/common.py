@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import hashlib
 import json
 import math
@@ -96,41 +97,65 @@ def student_cache_dir() -> Path:
     return Path(configured).expanduser() if configured else model_cache_dir() / "students"
 
 
+NOT_WARM_START_SOURCE = ("labs", "audit", "viewer", "cli.py")
+"""keelrl's own source that never runs in a warm start (the labs' orchestration, the audit, the
+viewer, the CLI): `source_hash` leaves it out, so editing a lab keeps its student."""
+
+NOT_WARM_START_SECTIONS = ("train", "optim", "algo", "eval", "monitor", "output", "prm", "log")
+"""Config sections the warm start does not read (`keelrl.train.warm_start` reads seed, env,
+model, rollout, perf and warm_start): `student_config` puts their defaults in, so labs whose RL
+settings differ share one student. So does the RL batch's shape (`NOT_WARM_START_ROLLOUT`)."""
+
+NOT_WARM_START_ROLLOUT = ("tasks_per_step", "group_size")
+
+
 @functools.lru_cache(maxsize=1)
 def source_hash() -> str:
-    """sha256 over keelrl's own Python source: a student made by other code is not reused."""
+    """sha256 over the keelrl source a warm start can run (all of it but `NOT_WARM_START_SOURCE`):
+    a student made by other code is not reused."""
     import keelrl
 
     digest = hashlib.sha256()
     root = Path(keelrl.__file__).parent
     for path in sorted(root.rglob("*.py")):
-        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+        relative = path.relative_to(root)
+        if relative.parts[0] in NOT_WARM_START_SOURCE:
+            continue
+        digest.update(str(relative).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
 
 
-def student_key(cfg: Any) -> str:
-    """The cache key of the student `cfg`'s warm start makes: sha256 of the resolved config as
-    YAML (run_dir aside), keelrl's version and `source_hash`."""
-    import keelrl
-    from keelrl.config import dump_config
+def student_config(cfg: Any) -> str:
+    """What makes `cfg`'s warm start, as YAML: the resolved config with run_dir and the sections in
+    `NOT_WARM_START_SECTIONS` and the rollout fields in `NOT_WARM_START_ROLLOUT` at their defaults."""
+    from keelrl.config import KeelConfig, dump_config
 
-    text = dump_config(dataclasses.replace(cfg, run_dir=""))
+    defaults = KeelConfig()
+    kept = {name: getattr(defaults, name) for name in NOT_WARM_START_SECTIONS}
+    rollout = dataclasses.replace(cfg.rollout, **{name: getattr(defaults.rollout, name) for name in NOT_WARM_START_ROLLOUT})
+    return dump_config(dataclasses.replace(cfg, run_dir="", rollout=rollout, **kept))
+
+
+def student_key(text: str) -> str:
+    """The cache key of the student `student_config` text `text` makes: its sha256 with keelrl's
+    version and `source_hash`."""
+    import keelrl
+
     return hashlib.sha256(f"{text}\0{keelrl.__version__}\0{source_hash()}".encode()).hexdigest()
 
 
 def cached_student(overrides: Sequence[str], progress: Callable[[str], None] = lambda message: None,
                    label: str = "student") -> Path:
     """The model `overrides`' warm start makes (`Trainer.warm_start`), made once per machine and
-    kept in `student_cache_dir()` under `student_key`; later calls with the same config, from any
-    lab, reuse it. Returns its model directory (a Hugging Face model and tokenizer); student.json
+    kept in `student_cache_dir()` under `student_key`; later calls whose `student_config` is the
+    same, from any lab, reuse it. Returns its model directory (a Hugging Face model and tokenizer); student.json
     beside it holds the key, the config that made it and the warm start's seconds and figures."""
-    from keelrl.config import dump_config
     from keelrl.runs import atomic_write_text
     from keelrl.train.trainer import Trainer
 
     cache = student_cache_dir()
-    cfg = config(cache / "building", overrides)
-    key = student_key(cfg)
+    text = student_config(config(cache / "building", overrides))
+    key = student_key(text)
     target = cache / key[:24]
     if (target / "student.json").exists() and (target / "model" / "config.json").exists():
         progress(f"the {label}: reusing the warm-started model in {target}")
@@ -146,7 +171,7 @@ def cached_student(overrides: Sequence[str], progress: Callable[[str], None] = l
         trainer.tokenizer.save_pretrained(building / "model")
         atomic_write_text(building / "student.json", json.dumps(
             {"key": key, "label": label, "seconds": round(time.monotonic() - started, 1), "warm_start": figures,
-             "config": dump_config(dataclasses.replace(cfg, run_dir=""))}, indent=2, default=str))
+             "config": text}, indent=2, default=str))
         shutil.rmtree(building / "run", ignore_errors=True)
         try:
             building.rename(target)
@@ -194,22 +219,52 @@ def train_variants(out: Path, variants: dict[str, list[str]], overrides: Sequenc
 
     Pass `trainers` to get each variant's trained `Trainer` back in it. The user's overrides
     (`run_lab`'s) are applied again after each variant's own settings, so they win there too.
+    A variant that finished before in its directory with the same config (its `VARIANT_RECORD`)
+    is kept, not trained again, unless `trainers` asks for its trainer: a stopped lab resumes at
+    the first unfinished variant.
     """
-    from keelrl.runs import read_metrics
+    from keelrl.config import dump_config
+    from keelrl.runs import SUMMARY, atomic_write_text, read_metrics
     from keelrl.train.trainer import Trainer
 
     model = warm_model(out, overrides, progress)
     runs = {}
     for label, extra in variants.items():
-        progress(f"training variant {label!r}")
         run_dir = out / label
-        trainer = Trainer(config(run_dir, [*overrides, *extra, *variant_settings(),
-                                           f"model.path={model}", "warm_start.demos=0"]))
+        cfg = config(run_dir, [*overrides, *extra, *variant_settings(), f"model.path={model}", "warm_start.demos=0"])
+        requested = dump_config(cfg)
+        if trainers is None and (run_dir / SUMMARY).exists() and variant_record(run_dir).get("config") == requested:
+            progress(f"variant {label!r}: finished before with this config, kept ({run_dir})")
+            runs[label] = read_metrics(run_dir)
+            continue
+        progress(f"training variant {label!r}")
+        (run_dir / VARIANT_RECORD).unlink(missing_ok=True)
+        started = time.monotonic()
+        trainer = Trainer(cfg)
         trainer.run()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(run_dir / VARIANT_RECORD, json.dumps(
+            {"config": requested, "seconds": round(time.monotonic() - started, 1)}, indent=2))
         runs[label] = read_metrics(run_dir)
         if trainers is not None:
             trainers[label] = trainer
+        del trainer  # else this variant's model and optimizer live on while the next one's load
+        gc.collect()
     return runs
+
+
+VARIANT_RECORD = "lab_variant.json"
+"""What `train_variants` writes into a variant's directory when it finishes: the config it ran
+and its wall-clock seconds (building its `Trainer`, loading the model, training and evaluating)."""
+
+
+def variant_record(run_dir: Path) -> dict[str, Any]:
+    """A finished variant's `VARIANT_RECORD` ({} when it has none)."""
+    path = run_dir / VARIANT_RECORD
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def steps_run(runs: dict[str, list[dict[str, Any]]]) -> int:
@@ -240,6 +295,18 @@ def alarm_events(out: Path) -> list[dict[str, Any]]:
     from keelrl.runs import read_alarms
 
     return read_alarms(out)
+
+
+def replayed_alarms(run_dir: Path) -> list[dict[str, Any]]:
+    """The alarms keelrl's monitor fires on a finished run's metrics.jsonl with the run's own
+    monitor settings (config.yaml), as a resumed run replays them: the same as alarms.jsonl for
+    a run of this keelrl, and what this keelrl's alarms make of an older run's metrics."""
+    from keelrl.alarms import AlarmMonitor
+    from keelrl.config import load_config
+    from keelrl.runs import read_metrics
+
+    monitor = AlarmMonitor(load_config(run_dir / "config.yaml").monitor)
+    return [event.as_dict() for row in read_metrics(run_dir) for event in monitor.update(int(row["step"]), row)]
 
 
 def alarms(out: Path) -> list[str]:
