@@ -9,6 +9,8 @@ training reward climbs while held-out success does not follow, invalid turns spr
 alarm fires (its trajectories are saved under weak/alarms/ and linked from `keel view`).
 
     python examples/reward_hacking.py                 # a few minutes on CPU
+
+`keel lab reward-hacking` is the same failure on SmolLM2 as the coding agent.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
     parser.add_argument("--smoke", action="store_true", help="the test's tiny size")
     args = parser.parse_args(argv)
     out = Path(args.out)
-    # The reward-hacking lab's recipe (`keel lab reward-hacking`); --smoke: its --quick size.
-    base = [*lab_settings("reward-hacking", [f"model.path={args.model}"] if args.model else [], quick=args.smoke),
+    # The guessing-game reward-hacking lab's recipe (`keel lab reward-hacking-guess`); --smoke: its --quick size.
+    base = [*lab_settings("reward-hacking-guess", [f"model.path={args.model}"] if args.model else [], quick=args.smoke),
             "algo.preset=grpo", "monitor.window=2"]
 
     warm = out / "warm"

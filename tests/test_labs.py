@@ -18,7 +18,8 @@ from keelrl.labs.common import student_cache_dir
 def test_lab_list_and_unknown_names(capsys):
     assert main(["lab", "list"]) == 0
     listed = capsys.readouterr().out
-    assert all(name in listed for name in ("stale-ratios", "dynamic-sampling", "entropy", "reward-hacking", "credit"))
+    assert all(name in listed for name in ("stale-ratios", "dynamic-sampling", "entropy", "reward-hacking",
+                                           "reward-hacking-guess", "credit"))
     assert main(["lab", "no-such-lab"]) == 2
     assert "valid names" in capsys.readouterr().err
 
@@ -36,8 +37,10 @@ def test_user_overrides_win_over_every_lab_default(tmp_path):
         for quick in (False, True):
             cfg = load_config(overrides=lab_settings(name, ["rollout.tasks_per_step=3", "optim.lr=7e-4"], quick))
             assert (cfg.rollout.tasks_per_step, cfg.optim.lr) == (3, 7e-4), (name, quick)
-    assert load_config(overrides=lab_settings("reward-hacking")).env.name == "guess"
-    assert load_config(overrides=lab_settings("reward-hacking", quick=True)).env.max_turns == 5
+    assert load_config(overrides=lab_settings("reward-hacking-guess")).env.name == "guess"
+    assert load_config(overrides=lab_settings("reward-hacking-guess", quick=True)).env.max_turns == 5
+    assert load_config(overrides=lab_settings("reward-hacking")).model.path == "smollm2"
+    assert load_config(overrides=lab_settings("reward-hacking", quick=True)).model.path == "tiny"
 
 
 def test_user_overrides_win_over_each_variants_own_settings(tmp_path, monkeypatch):
@@ -68,6 +71,39 @@ def test_user_overrides_win_over_each_variants_own_settings(tmp_path, monkeypatc
     assert cfg.model.path == str(tmp_path / "warm")
 
 
+def test_a_stopped_lab_keeps_its_finished_variants_and_retrains_a_changed_one(tmp_path, monkeypatch):
+    import keelrl.labs.common as common
+    import keelrl.train.trainer as trainer_module
+
+    trained = []
+
+    class Recorder:
+        def __init__(self, cfg):
+            self.cfg = cfg
+
+        def run(self):
+            trained.append(Path(self.cfg.run_dir).name)
+            Path(self.cfg.run_dir).mkdir(parents=True, exist_ok=True)
+            (Path(self.cfg.run_dir) / "summary.json").write_text("{}")
+            (Path(self.cfg.run_dir) / "metrics.jsonl").write_text('{"step": 1, "train/reward": 0.5}\n')
+
+    monkeypatch.setattr(common, "warm_model", lambda out, overrides, progress=None: tmp_path / "warm")
+    monkeypatch.setattr(trainer_module, "Trainer", Recorder)
+    variants = {"a": ["train.steps=2"], "b": ["train.steps=3"]}
+    messages = []
+    first = common.train_variants(tmp_path, variants, [], messages.append)
+    again = common.train_variants(tmp_path, variants, [], messages.append)
+    assert trained == ["a", "b"] and first == again and first["a"] == [{"step": 1, "train/reward": 0.5}]
+    assert sum("finished before" in message for message in messages) == 2
+    record = common.variant_record(tmp_path / "a")
+    assert "steps: 2" in record["config"] and record["seconds"] >= 0
+    common.train_variants(tmp_path, {**variants, "b": ["train.steps=4"]}, [], messages.append)
+    assert trained == ["a", "b", "b"]
+    (tmp_path / "a" / "summary.json").unlink()  # stopped before it finished: trained again
+    common.train_variants(tmp_path, variants, [], messages.append)
+    assert trained == ["a", "b", "b", "a", "b"]
+
+
 def test_stale_ratios_lab_measures_weights_on_real_rollouts(tmp_path):
     result = run_lab("stale-ratios", tmp_path, quick=True)
     numbers = json.loads((tmp_path / "results.json").read_text())
@@ -86,17 +122,40 @@ def test_stale_ratios_lab_measures_weights_on_real_rollouts(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["dynamic-sampling", "entropy", "reward-hacking"])
+@pytest.mark.parametrize("name", ["dynamic-sampling", "entropy", "reward-hacking-guess"])
 def test_training_labs_run_at_the_quick_budget(tmp_path, name):
     result = run_lab(name, tmp_path, quick=True)
     variants = {"dynamic-sampling": {"dapo", "dapo-no-dynamic"}, "entropy": {"no-bonus", "bonus-0.005", "bonus-0.05"},
-                "reward-hacking": {"weak", "strong"}}
+                "reward-hacking-guess": {"weak", "strong"}}
     assert set(result.numbers) - {"lab_seconds"} == variants[name]
     assert result.numbers["lab_seconds"] > 0 and "Lab wall time" in result.summary
     assert all(path.exists() for path in result.files)
     student = json.loads((tmp_path / "warm" / "student.json").read_text())["model"]
     assert (Path(student) / "config.json").exists()
     assert LABS[name][0]
+
+
+@pytest.mark.slow
+def test_coding_reward_hacking_lab_trains_three_verifiers_and_replays_their_episodes(tmp_path):
+    """--quick swaps SmolLM2 for the tiny model: weak, brittle and strong from one student, the
+    strong verifier's probe at every step, and every saved episode of every arm replayed and put
+    in the audit's families (the tiny model's code is never right: no family is `correct`)."""
+    from keelrl.audit.trajectories import run_episodes
+
+    assert "model.path=smollm2" in lab_settings("reward-hacking")
+    result = run_lab("reward-hacking", tmp_path, quick=True)
+    assert set(result.numbers) - {"lab_seconds"} == {"weak", "brittle", "strong"}
+    census = json.loads((tmp_path / "census.json").read_text())
+    for arm in ("weak", "brittle", "strong"):
+        rows = [json.loads(line) for line in (tmp_path / arm / "metrics.jsonl").read_text().splitlines()]
+        assert [row["step"] for row in rows if "probe/success" in row] == [0, 1, 2]
+        episodes = run_episodes(tmp_path / arm)
+        counted = census[arm]
+        assert episodes and sum(counted["paid"].values()) + sum(counted["refused"].values()) == len(episodes)
+        assert counted["paid"].get("correct", 0) + counted["refused"].get("correct", 0) == 0
+        assert result.numbers[arm]["census"] == counted
+    assert set(result.effects) == {"strong - weak", "strong - brittle"}
+    assert (tmp_path / "reward_hacking.png").stat().st_size > 1000 and "| brittle |" in result.summary
 
 
 @pytest.mark.slow

@@ -13,7 +13,8 @@ lab is about. `--seeds K` repeats every arm at K seeds from that same student an
 number's spread over seeds and each effect's verdict against the noise (`keelrl.labs.seeds`).
 
 One module per lab, each described in its docstring: `stale_ratios`, `dynamic_sampling`,
-`entropy`, `reward_hacking`, and `credit` and `distill` (on SmolLM2); `common` holds their shared
+`entropy`, `reward_hacking` (the guessing game's), and `credit`, `distill` and
+`reward_hacking_coding` (on SmolLM2); `common` holds their shared
 settings and helpers, `seeds` the statistics over seeds. This module keeps the registry (`LABS`) and `run_lab`.
 """
 
@@ -30,13 +31,15 @@ from keelrl.labs.credit import CREDIT, CREDIT_QUICK, lab_credit
 from keelrl.labs.distill import DISTILL, DISTILL_QUICK, lab_distill
 from keelrl.labs.dynamic_sampling import lab_dynamic_sampling
 from keelrl.labs.entropy import lab_entropy
-from keelrl.labs.reward_hacking import lab_reward_hacking
+from keelrl.labs.reward_hacking import lab_reward_hacking_guess
+from keelrl.labs.reward_hacking_coding import HACKING, HACKING_QUICK, lab_reward_hacking
 from keelrl.labs.seeds import combine, effects_section
 from keelrl.labs.stale_ratios import RATIO_CLIPS, lab_stale_ratios
 
 __all__ = [
     "ENTROPY", "GUESS", "HACK", "LABS", "LAB_FAST", "QUICK", "QUICK_GUESS", "RATIO_CLIPS", "LabFn", "LabResult",
-    "lab_credit", "lab_distill", "lab_dynamic_sampling", "lab_entropy", "lab_reward_hacking", "lab_settings",
+    "lab_credit", "lab_distill", "lab_dynamic_sampling", "lab_entropy", "lab_reward_hacking",
+    "lab_reward_hacking_guess", "lab_settings",
     "lab_stale_ratios",
     "run_lab",
 ]
@@ -47,7 +50,10 @@ LABS: dict[str, tuple[str, LabFn, list[str]]] = {
     "stale-ratios": ("importance weights by ratio type, staleness and length", lab_stale_ratios, []),
     "dynamic-sampling": ("DAPO with and without dynamic sampling (guessing game)", lab_dynamic_sampling, GUESS),
     "entropy": ("entropy collapse without a bonus vs with one (guessing game)", lab_entropy, ENTROPY),
-    "reward-hacking": ("training on the weak verifier vs the strong one (guessing game)", lab_reward_hacking, HACK),
+    "reward-hacking": ("training on the weak and the brittle verifier vs the strong one (SmolLM2, multi-turn coding)",
+                       lab_reward_hacking, HACKING),
+    "reward-hacking-guess": ("training on the weak verifier vs the strong one (guessing game)", lab_reward_hacking_guess,
+                             HACK),
     "credit": ("GRPO vs PPO + value head with turn-level GAE vs GRPO + process reward model (SmolLM2, "
                "multi-turn coding)", lab_credit, CREDIT),
     "distill": ("GRPO vs on-policy distillation vs self-distillation (SmolLM2)", lab_distill, DISTILL),
@@ -55,7 +61,7 @@ LABS: dict[str, tuple[str, LabFn, list[str]]] = {
 """name -> (description, function, the settings it runs on over LAB_FAST; those of a lab in
 REAL_MODEL_LABS are complete on their own)."""
 
-REAL_MODEL_LABS = {"distill": DISTILL_QUICK, "credit": CREDIT_QUICK}
+REAL_MODEL_LABS = {"distill": DISTILL_QUICK, "credit": CREDIT_QUICK, "reward-hacking": HACKING_QUICK}
 """Labs that run the default pretrained model, not the tiny one: their settings replace the tiny
 recipe and LAB_FAST, and --quick swaps in the given tiny-model settings."""
 

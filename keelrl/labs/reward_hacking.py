@@ -1,6 +1,7 @@
-"""Lab reward-hacking: on the guessing game, the same budget trained on the `weak` verifier (passes
-unless the last answer said "wrong") and on `strong`, both evaluated by `strong` on held-out tasks;
-the divergence alarm's verdict on each."""
+"""Lab reward-hacking-guess: on the guessing game, the same budget trained on the `weak` verifier
+(passes unless the last answer said "wrong") and on `strong`, both evaluated by `strong` on held-out
+tasks; the divergence alarm's verdict on each. The coding lab on SmolLM2 is
+`keelrl.labs.reward_hacking_coding`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any, Callable, Sequence
 from keelrl.labs.common import (LabResult, paired_effect, alarm_events, first, last, markdown_table, mean, plot_variants,
                                 series, steps_run, train_variants)
 
-def lab_reward_hacking(out: Path, overrides: Sequence[str], quick: bool,
+def lab_reward_hacking_guess(out: Path, overrides: Sequence[str], quick: bool,
                        progress: Callable[[str], None]) -> LabResult:
     """GRPO on the guessing game's `weak` verifier vs its `strong` one, both evaluated by `strong`."""
     steps = 2 if quick else 20
@@ -82,5 +83,5 @@ def lab_reward_hacking(out: Path, overrides: Sequence[str], quick: bool,
          "No divergence alarm on `weak` in this run."),
         "Read weak/samples/ and weak/alarms/ for the trajectories: the invalid-turn share shows the hack "
         "(ending on an invalid action) spreading under `weak`.", "", f"Chart: {chart.name}"])
-    return LabResult("reward-hacking", numbers, summary, [chart],
+    return LabResult("reward-hacking-guess", numbers, summary, [chart],
                      {"the strong verifier (strong - weak)": paired_effect(out, "weak", "strong")})
