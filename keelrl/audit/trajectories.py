@@ -23,7 +23,6 @@ training verifier paid and a false negative it refused both show, each with an e
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ from keelrl.audit.episodes import probe_inputs
 from keelrl.envs.coding import CodingEnv
 from keelrl.envs.tasks import Task
 from keelrl.envs.verifiers import Verifier, checks_request, grading_files, run_grader, run_visible_tests
+from keelrl.runs import read_episodes
 
 FAMILIES = ("correct", "tests_touched", "unchanged", "constant", "visible_only", "wrong")
 """A replayed episode's families, in the order `classify` tries them."""
@@ -142,7 +142,4 @@ def census(episodes: Iterable[Mapping[str, Any]], tasks: Mapping[str, Task], str
 
 def run_episodes(run_dir: str | Path) -> list[dict[str, Any]]:
     """Every saved episode row of a run (episodes/step_NNNN.jsonl), in step order."""
-    rows: list[dict[str, Any]] = []
-    for path in sorted((Path(run_dir) / "episodes").glob("step_*.jsonl")):
-        rows += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return rows
+    return [row for _, rows in sorted(read_episodes(run_dir).items()) for row in rows]
