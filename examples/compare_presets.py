@@ -33,8 +33,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
     parser.add_argument("--smoke", action="store_true", help="the test's tiny size (does not learn)")
     args = parser.parse_args(argv)
     out = Path(args.out)
-    # The guessing-game labs' recipe (`keel lab dynamic-sampling`); --smoke: their --quick size.
-    base = lab_settings("dynamic-sampling", [f"model.path={args.model}"] if args.model else [], quick=args.smoke)
+    # The guessing-game labs' recipe (`keel lab dynamic-sampling-guess`); --smoke: their --quick size.
+    base = lab_settings("dynamic-sampling-guess", [f"model.path={args.model}"] if args.model else [], quick=args.smoke)
     if args.smoke:
         base.append("rollout.dynamic_max_extra_groups=2")
 

@@ -98,7 +98,8 @@ def test_the_student_is_made_once_per_config_and_source_and_reused(tiny_model_di
     assert first == again and len(made) == 1 and "reusing" in messages[-1]
     # settings only RL reads (steps, the algorithm, the evaluation, the batch's shape) share it
     rl_only = ["train.steps=9", "algo.preset=grpo", "optim.lr=1e-3", "eval.tasks=7", "rollout.tasks_per_step=3",
-               "rollout.group_size=5", "monitor.window=4", "prm.enabled=true"]
+               "rollout.group_size=5", "monitor.window=4", "prm.enabled=true", "rollout.dynamic_max_extra_groups=3",
+               "curriculum.enabled=true", "curriculum.levels=off_by_one:1"]
     assert common.cached_student([*overrides, *rl_only], messages.append) == first and len(made) == 1
     record = json.loads((first.parent / "student.json").read_text())
     assert record["key"].startswith(first.parent.name) and "demos: 4" in record["config"]

@@ -18,7 +18,8 @@ from keelrl.labs.common import student_cache_dir
 def test_lab_list_and_unknown_names(capsys):
     assert main(["lab", "list"]) == 0
     listed = capsys.readouterr().out
-    assert all(name in listed for name in ("stale-ratios", "dynamic-sampling", "entropy", "reward-hacking",
+    assert all(name in listed for name in ("stale-ratios", "dynamic-sampling", "dynamic-sampling-guess", "entropy",
+                                           "entropy-guess", "curriculum", "reward-hacking",
                                            "reward-hacking-guess", "credit"))
     assert main(["lab", "no-such-lab"]) == 2
     assert "valid names" in capsys.readouterr().err
@@ -122,10 +123,10 @@ def test_stale_ratios_lab_measures_weights_on_real_rollouts(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["dynamic-sampling", "entropy", "reward-hacking-guess"])
+@pytest.mark.parametrize("name", ["dynamic-sampling-guess", "entropy-guess", "reward-hacking-guess"])
 def test_training_labs_run_at_the_quick_budget(tmp_path, name):
     result = run_lab(name, tmp_path, quick=True)
-    variants = {"dynamic-sampling": {"dapo", "dapo-no-dynamic"}, "entropy": {"no-bonus", "bonus-0.005", "bonus-0.05"},
+    variants = {"dynamic-sampling-guess": {"dapo", "dapo-no-dynamic"}, "entropy-guess": {"no-bonus", "bonus-0.005", "bonus-0.05"},
                 "reward-hacking-guess": {"weak", "strong"}}
     assert set(result.numbers) - {"lab_seconds"} == variants[name]
     assert result.numbers["lab_seconds"] > 0 and "Lab wall time" in result.summary
@@ -221,3 +222,133 @@ def test_distill_lab_runs_its_three_variants_on_the_quick_budget(tmp_path):
     assert result.numbers["grpo"]["versus_grpo"] == 0 and all(
         -1 <= result.numbers[variant]["versus_grpo"] <= 1 for variant in ("on-policy", "self"))
     assert (tmp_path / "distill.png").stat().st_size > 1000
+
+
+def test_dominance_measures_how_evenly_weights_spread():
+    from keelrl.labs.stale_ratios import dominance
+
+    assert dominance([1, 1, 1, 1]) == {"ess_frac": 1.0, "top1pct_share": 0.25}
+    # (3 + 1)^2 / (9 + 1) = 1.6 of 2; the heaviest (ceil(2 / 100) = 1) carries 3 of 4.
+    assert dominance([1, 3]) == pytest.approx({"ess_frac": 0.8, "top1pct_share": 0.75})
+    many = dominance([100.0] + [1.0] * 199)  # one in 200 carries 100 / 299; its top 1% are 2 weights
+    assert many["top1pct_share"] == pytest.approx(101 / 299)
+    assert many["ess_frac"] == pytest.approx(299 ** 2 / (100 ** 2 + 199) / 200)
+    assert math.isnan(dominance([])["ess_frac"]) and math.isnan(dominance([0.0, 0.0])["top1pct_share"])
+
+
+def test_each_objective_weighs_a_stale_batch_as_worked_by_hand():
+    import torch
+
+    from keelrl.labs.stale_ratios import OBJECTIVES, objective_weights
+
+    ratios = torch.tensor([[0.5, 1.1, 1.5, 3.0], [1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, True, True], [True, True, False, False]])
+    behaviour = torch.full_like(ratios, -2.0)
+    logp = behaviour + ratios.log()
+    expected = {  # the first row's weights and limited tokens; the second row (ratio 1) is never limited
+        "token PPO": ([0.8, 1.1, 1.2, 1.2], [True, False, True, True]),  # clip to [0.8, 1.2]
+        "CISPO": ([0.5, 1.1, 1.28, 1.28], [False, False, True, True]),  # eps_low 1: only the top, at 1.28
+        "decoupled": ([0.5, 1.1, 1.5, 2.0], [False, False, False, True]),  # behaviour weight truncated at 2
+        "truncated IS": ([0.5, 1.1, 1.5, 2.0], [False, False, False, True]),  # min(r, 2)
+        # GSPO: (0.5 x 1.1 x 1.5 x 3)^(1/4) = 1.2543 for the whole row, clipped to 1 + 4e-4
+        "GSPO": ([1.0004] * 4, [True] * 4),
+    }
+    assert set(expected) == set(OBJECTIVES)
+    for name, (weights, limited) in expected.items():
+        weight, cut = objective_weights(name, logp, behaviour, mask)
+        assert weight[0].tolist() == pytest.approx(weights, rel=1e-6), name
+        assert cut[0].tolist() == limited and not cut[1].any(), name
+        assert weight[1].tolist() == pytest.approx([1.0, 1.0, 0.0, 0.0]), name
+
+
+def test_the_no_dynamic_arm_matches_the_dynamic_arms_sampled_rollouts():
+    from keelrl.config import load_config
+    from keelrl.labs.dynamic_sampling import matching_steps, rl_steps, rollouts_sampled
+
+    cfg = load_config(overrides=lab_settings("dynamic-sampling"))
+    assert (cfg.model.path, cfg.algo.preset, cfg.rollout.tasks_per_step, cfg.rollout.group_size) == ("smollm2", "grpo", 2, 4)
+    dynamic = [{"step": 1, "train/reward": 0.5, "dynamic/groups_drawn": 5.0},
+               {"step": 2, "train/reward": 0.4, "dynamic/groups_drawn": 2.0}, {"step": 2, "eval/success": 0.3}]
+    assert rollouts_sampled(dynamic, cfg) == 28  # 7 groups of 4
+    kept_none = [{"step": 0, "eval/success": 0.2}, {"step": 1, "dynamic/groups_drawn": 8.0},
+                 {"step": 2, "train/reward": 0.5, "dynamic/groups_drawn": 3.0}]
+    assert rl_steps(kept_none) == [1, 2] and rollouts_sampled(kept_none, cfg) == 44
+    plain = [{"step": 1, "train/reward": 0.5}, {"step": 2, "train/reward": 0.25}, {"step": 3, "train/reward": 0.0}]
+    assert rollouts_sampled(plain, cfg) == 24  # 3 steps of 2 tasks x 4
+    assert [matching_steps(n, 8) for n in (28, 27, 3, 0, 44)] == [4, 3, 1, 1, 6]  # 3.5 rounds up, 3.375 down
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dynamic-sampling", "stale-ratios", "entropy", "curriculum"])
+def test_smollm2_labs_run_on_the_tiny_model_with_quick(tmp_path, name):
+    """--quick swaps SmolLM2 for the tiny model."""
+    assert "model.path=smollm2" in lab_settings(name) and "model.path=tiny" in lab_settings(name, quick=True)
+    result = run_lab(name, tmp_path, quick=True)
+    if name in ("entropy", "curriculum"):
+        arms = {"entropy": ("no-bonus", "bonus"), "curriculum": ("uniform", "curriculum")}[name]
+        assert set(result.numbers) - {"lab_seconds"} == set(arms)
+        assert result.numbers[arms[0]]["eval_before"] == result.numbers[arms[1]]["eval_before"]  # one shared start
+        second = [json.loads(line) for line in (tmp_path / arms[1] / "metrics.jsonl").read_text().splitlines()]
+        assert not any(row["step"] == 0 and "eval/success" in row for row in second)
+        assert (tmp_path / f"{name}.png").stat().st_size > 1000 and f"| {arms[1]} |" in result.summary
+        assert len(result.effects) == 1
+        if name == "entropy":
+            configs = [(tmp_path / arm / "config.yaml").read_text() for arm in arms]
+            assert "entropy_coef: 0.0\n" in configs[0] and "entropy_coef: 0.01\n" in configs[1]
+            assert all(math.isfinite(result.numbers[arm]["entropy_first"]) for arm in arms)
+        else:
+            shares = {arm: result.numbers[arm]["episode_share_by_level"] for arm in arms}
+            # The curriculum admits level 0 alone at first (the tiny model masters nothing): all its episodes there.
+            assert shares["curriculum"] == {0: 1.0} and sum(shares["uniform"].values()) == pytest.approx(1)
+            rows = [json.loads(line) for line in (tmp_path / "curriculum" / "metrics.jsonl").read_text().splitlines()]
+            assert [row["curriculum/level"] for row in rows if "curriculum/level" in row] == [0.0, 0.0]
+        return
+    if name == "stale-ratios":
+        objectives = result.numbers["objectives"]
+        assert set(objectives) == {"token PPO", "GSPO", "CISPO", "decoupled", "truncated IS"}
+        for data in objectives.values():  # fresh weights are 1: every token counts the same
+            assert data["ess_frac_by_staleness"][0] == pytest.approx(1, abs=1e-4)
+            assert data["limited_frac_by_staleness"][0] == 0 or data is objectives["GSPO"]
+        trajectory = result.numbers["unlimited"]["trajectory_ess_frac"]
+        assert trajectory[0] == pytest.approx(1, abs=1e-3) and trajectory[-1] < trajectory[0]
+        return
+    dynamic, plain = result.numbers["dynamic"], result.numbers["no-dynamic"]
+    # The no-dynamic arm ran the steps that sample the dynamic arm's rollouts, to the nearest step.
+    assert abs(plain["rollouts_sampled"] - dynamic["rollouts_sampled"]) <= 2  # 2 tasks x 2 a step
+    assert plain["steps"] >= dynamic["steps"] == 2 and plain["trained_steps"] == plain["steps"]
+    # Every group the dynamic arm trained on was mixed; the tiny model's groups seldom are, and a
+    # step whose draws kept none trains nothing (its zero-advantage share is then NaN).
+    assert dynamic["zero_adv_frac_trained"] == 0 or (dynamic["trained_steps"] == 0
+                                                     and math.isnan(dynamic["zero_adv_frac_trained"]))
+    assert 0 <= dynamic["zero_adv_frac_sampled"] <= 1
+    assert dynamic["eval_before"] == plain["eval_before"]  # one evaluation of the shared start
+    rows = [json.loads(line) for line in (tmp_path / "no-dynamic" / "metrics.jsonl").read_text().splitlines()]
+    assert not any(row["step"] == 0 and "eval/success" in row for row in rows)
+    assert set(result.effects) == {"dynamic sampling (dynamic - no-dynamic)"}
+    assert (tmp_path / "dynamic_sampling.png").stat().st_size > 1000 and "| no-dynamic |" in result.summary
+
+
+def test_curriculum_levels_read_as_the_trainer_reads_them(tmp_path):
+    from keelrl.config import load_config
+    from keelrl.labs.curriculum import EASY_KINDS, HARD_KINDS, heldout_by_level, level_of
+
+    cfg = load_config(overrides=lab_settings("curriculum"))
+    assert cfg.curriculum.enabled is False  # on in the curriculum arm alone
+    assert {level_of(kind, cfg) for kind in EASY_KINDS} == {0} and {level_of(kind, cfg) for kind in HARD_KINDS} == {1}
+    assert level_of("not_a_kind", cfg) == 0  # unnamed kinds are level 0, as in keelrl.train.trainer
+    (tmp_path / "summary.json").write_text(json.dumps({"heldout": {"final": {"by_kind": {
+        "off_by_one": {"tasks": 3, "success": 1 / 3}, "flipped_comparison": {"tasks": 1, "success": 1.0},
+        "wrong_default": {"tasks": 4, "success": 0.25}}}}}))
+    assert heldout_by_level(tmp_path, cfg, "final") == pytest.approx({0: 0.5, 1: 0.25})  # (1 + 1) / 4 and 1 / 4
+    assert heldout_by_level(tmp_path, cfg, "warm_start") == {}
+
+
+def test_effect_sentence_says_when_one_seed_does_not_show_the_remedy_helped():
+    from keelrl.labs.common import effect_sentence
+
+    assert effect_sentence("X", (0.1875, 0.0703), 32, "it") == \
+        "X: +0.188 (paired standard error 0.070 over the 32 tasks)."  # 0.1875 > 2 x 0.0703
+    assert effect_sentence("X", (-0.09375, 0.0625), 32, "the bonus") == (
+        "X: -0.094 (paired standard error 0.062 over the 32 tasks); within twice its standard error: this run "
+        "does not show that the bonus helped.")
+    assert effect_sentence("X", (0.0, None), 32, "it").endswith("does not show that it helped.")

@@ -12,9 +12,9 @@ every variant starts RL from it with the same seed, so the variants differ in th
 lab is about. `--seeds K` repeats every arm at K seeds from that same student and reports each
 number's spread over seeds and each effect's verdict against the noise (`keelrl.labs.seeds`).
 
-One module per lab, each described in its docstring: `stale_ratios`, `dynamic_sampling`,
-`entropy`, `reward_hacking` (the guessing game's), and `credit`, `distill` and
-`reward_hacking_coding` (on SmolLM2); `common` holds their shared
+One module per lab, each described in its docstring: `reward_hacking` (the guessing game's),
+and `credit`, `curriculum`, `distill`, `dynamic_sampling` and `entropy` (each with the guessing
+game's too), `reward_hacking_coding` and `stale_ratios` (on SmolLM2); `common` holds their shared
 settings and helpers, `seeds` the statistics over seeds. This module keeps the registry (`LABS`) and `run_lab`.
 """
 
@@ -29,16 +29,18 @@ from keelrl.labs.common import (ENTROPY, GUESS, HACK, LAB_FAST, QUICK, QUICK_GUE
                                 config)
 from keelrl.labs.credit import CREDIT, CREDIT_QUICK, lab_credit
 from keelrl.labs.distill import DISTILL, DISTILL_QUICK, lab_distill
-from keelrl.labs.dynamic_sampling import lab_dynamic_sampling
-from keelrl.labs.entropy import lab_entropy
+from keelrl.labs.dynamic_sampling import DYNAMIC, DYNAMIC_QUICK, lab_dynamic_sampling, lab_dynamic_sampling_guess
+from keelrl.labs.curriculum import CURRICULUM, CURRICULUM_QUICK, lab_curriculum
+from keelrl.labs.entropy import ENTROPY_CODING, ENTROPY_QUICK, lab_entropy, lab_entropy_guess
 from keelrl.labs.reward_hacking import lab_reward_hacking_guess
 from keelrl.labs.reward_hacking_coding import HACKING, HACKING_QUICK, lab_reward_hacking
 from keelrl.labs.seeds import combine, effects_section
-from keelrl.labs.stale_ratios import RATIO_CLIPS, lab_stale_ratios
+from keelrl.labs.stale_ratios import RATIO_CLIPS, STALE, STALE_QUICK, lab_stale_ratios
 
 __all__ = [
     "ENTROPY", "GUESS", "HACK", "LABS", "LAB_FAST", "QUICK", "QUICK_GUESS", "RATIO_CLIPS", "LabFn", "LabResult",
-    "lab_credit", "lab_distill", "lab_dynamic_sampling", "lab_entropy", "lab_reward_hacking",
+    "lab_credit", "lab_distill", "lab_dynamic_sampling", "lab_dynamic_sampling_guess", "lab_curriculum", "lab_entropy",
+    "lab_entropy_guess", "lab_reward_hacking",
     "lab_reward_hacking_guess", "lab_settings",
     "lab_stale_ratios",
     "run_lab",
@@ -47,9 +49,17 @@ __all__ = [
 LabFn = Callable[[Path, Sequence[str], bool, Callable[[str], None]], LabResult]
 
 LABS: dict[str, tuple[str, LabFn, list[str]]] = {
-    "stale-ratios": ("importance weights by ratio type, staleness and length", lab_stale_ratios, []),
-    "dynamic-sampling": ("DAPO with and without dynamic sampling (guessing game)", lab_dynamic_sampling, GUESS),
-    "entropy": ("entropy collapse without a bonus vs with one (guessing game)", lab_entropy, ENTROPY),
+    "stale-ratios": ("importance weights by ratio, objective, staleness and length (SmolLM2, multi-turn coding)",
+                     lab_stale_ratios, STALE),
+    "dynamic-sampling": ("GRPO with and without dynamic sampling on the same sampled rollouts (SmolLM2, multi-turn "
+                         "coding)", lab_dynamic_sampling, DYNAMIC),
+    "dynamic-sampling-guess": ("DAPO with and without dynamic sampling (guessing game)", lab_dynamic_sampling_guess,
+                               GUESS),
+    "entropy": ("entropy collapse at a high learning rate without a bonus vs with one (SmolLM2, multi-turn coding)",
+                lab_entropy, ENTROPY_CODING),
+    "entropy-guess": ("entropy collapse without a bonus vs with one (guessing game)", lab_entropy_guess, ENTROPY),
+    "curriculum": ("the success-rate curriculum over the bug kinds vs uniform task draws (SmolLM2, multi-turn coding)",
+                   lab_curriculum, CURRICULUM),
     "reward-hacking": ("training on the weak and the brittle verifier vs the strong one (SmolLM2, multi-turn coding)",
                        lab_reward_hacking, HACKING),
     "reward-hacking-guess": ("training on the weak verifier vs the strong one (guessing game)", lab_reward_hacking_guess,
@@ -61,7 +71,9 @@ LABS: dict[str, tuple[str, LabFn, list[str]]] = {
 """name -> (description, function, the settings it runs on over LAB_FAST; those of a lab in
 REAL_MODEL_LABS are complete on their own)."""
 
-REAL_MODEL_LABS = {"distill": DISTILL_QUICK, "credit": CREDIT_QUICK, "reward-hacking": HACKING_QUICK}
+REAL_MODEL_LABS = {"distill": DISTILL_QUICK, "credit": CREDIT_QUICK, "reward-hacking": HACKING_QUICK,
+                   "stale-ratios": STALE_QUICK, "dynamic-sampling": DYNAMIC_QUICK, "entropy": ENTROPY_QUICK,
+                   "curriculum": CURRICULUM_QUICK}
 """Labs that run the default pretrained model, not the tiny one: their settings replace the tiny
 recipe and LAB_FAST, and --quick swaps in the given tiny-model settings."""
 

@@ -25,7 +25,7 @@ LAB_FAST = ["rollout.tasks_per_step=4", "rollout.group_size=4", "rollout.max_new
 
 GUESS = ["env.name=guess", "env.partial_credit=false", "env.show_file=true", "env.max_turns=5", "rollout.max_new_tokens=24", "rollout.tasks_per_step=8",
          "warm_start.demos=256", "warm_start.mistake_rate=0.6", "eval.tasks=100"]
-"""The guessing-game labs (credit, dynamic-sampling): find 1..16 in 5 guesses, after a warm start
+"""The guessing-game labs (dynamic-sampling-guess): find 1..16 in 5 guesses, after a warm start
 on a teacher that errs. The tiny recipe's coding settings (partial credit, the file not shown) go
 back to their defaults: the guessing game reads neither."""
 
@@ -101,12 +101,13 @@ NOT_WARM_START_SOURCE = ("labs", "audit", "viewer", "cli.py")
 """keelrl's own source that never runs in a warm start (the labs' orchestration, the audit, the
 viewer, the CLI): `source_hash` leaves it out, so editing a lab keeps its student."""
 
-NOT_WARM_START_SECTIONS = ("train", "optim", "algo", "eval", "monitor", "output", "prm", "log")
+NOT_WARM_START_SECTIONS = ("train", "optim", "algo", "eval", "monitor", "output", "prm", "log", "curriculum")
 """Config sections the warm start does not read (`keelrl.train.warm_start` reads seed, env,
 model, rollout, perf and warm_start): `student_config` puts their defaults in, so labs whose RL
-settings differ share one student. So does the RL batch's shape (`NOT_WARM_START_ROLLOUT`)."""
+settings differ share one student. So do the RL batch's shape and dynamic sampling's extra
+draws (`NOT_WARM_START_ROLLOUT`)."""
 
-NOT_WARM_START_ROLLOUT = ("tasks_per_step", "group_size")
+NOT_WARM_START_ROLLOUT = ("tasks_per_step", "group_size", "dynamic_max_extra_groups")
 
 
 @functools.lru_cache(maxsize=1)
@@ -347,3 +348,14 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def effect_sentence(what: str, effect: tuple[float, float | None], tasks: int, remedy: str) -> str:
+    """One seed's verdict on a held-out `effect` ((difference, paired SE or None), `paired_effect`'s)
+    in words: "{what}: +0.094 (paired standard error 0.070 over the 32 tasks)", then "." or, when it
+    is within twice its standard error (or has none), that this run does not show `remedy` helped."""
+    difference, se = effect
+    spread = f" (paired standard error {se:.3f} over the {tasks} tasks)" if se is not None else ""
+    within = se is None or abs(difference) <= 2 * se
+    return (f"{what}: {difference:+.3f}{spread}"
+            + (f"; within twice its standard error: this run does not show that {remedy} helped." if within else "."))

@@ -1,17 +1,124 @@
-"""Lab dynamic-sampling: DAPO with and without dynamic sampling on the guessing game (where many
-groups all fail or all succeed): zero-advantage fraction, extra draws, success."""
+"""Lab dynamic-sampling: GRPO with and without DAPO's dynamic sampling on the same number of sampled
+rollouts, on SmolLM2 as the default five-turn coding agent (the default run's cached warm start;
+`--quick`: the tiny model); `dynamic-sampling-guess` runs DAPO on the guessing game.
+
+A group whose attempts all earn the same outcome has zero group-relative advantage: the learner
+pays its forward and backward passes and learns nothing from it. With dynamic sampling the
+rollouts go on until the batch holds enough groups with mixed outcomes, so each step costs more
+rollouts but trains on none that teach nothing. The `dynamic` arm runs first for its steps; the
+`no-dynamic` arm then runs as many steps as make the same number of sampled rollouts (the dynamic
+arm's count over its batch size, rounded to the nearest step). Both start from one held-out
+evaluation and end with one on the same tasks: the summary gives each arm's zero-advantage share,
+its rollouts, its held-out lift per thousand rollouts and its wall clock.
+"""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
-from keelrl.labs.common import (LabResult, paired_effect, first, last, markdown_table, mean, plot_variants, series,
-                                steps_run, train_variants)
+from keelrl.labs.common import (LabResult, config, effect_sentence, first, last, markdown_table, mean, paired_effect,
+                                plot_variants, series, steps_run, train_variants, variant_record)
+
+DYNAMIC = ["model.path=smollm2", "algo.preset=grpo", "algo.kl_coef=0", "rollout.tasks_per_step=2",
+           "rollout.group_size=4", "train.minibatch_size=8", "rollout.dynamic_max_extra_groups=6", "train.steps=3",
+           "eval.tasks=32", "eval.every=1000", "eval.probe_tasks=0", "output.checkpoint_every=1000",
+           "output.sample_trajectories=2"]
+"""The lab's budget over the default run (SmolLM2, five turns, its warm start, which every arm
+shares with the default run's): GRPO without a reference KL, batches of 2 tasks x 4 attempts
+(one update a step); the dynamic arm 3 steps, drawing at most 6 extra groups a step; a 32-task
+held-out evaluation at the start and the end of each arm (no probe between)."""
+
+DYNAMIC_QUICK = ["model.path=tiny", "env.show_file=false", "env.max_turns=3", "rollout.max_new_tokens=16",
+                 "rollout.group_size=2", "train.steps=2", "eval.tasks=4", "train.minibatch_size=4",
+                 "rollout.temperature=1.0", "eval.dtype=float32", "warm_start.demos=16", "warm_start.lr=2e-3",
+                 "rollout.max_context_tokens=2048", "perf.learner_precision=float32", "rollout.dynamic_max_extra_groups=2"]
+"""--quick: the tiny model, for a smoke run of the machinery."""
+
+
+def rl_steps(rows: list[dict[str, Any]]) -> list[int]:
+    """The RL steps an arm ran: those that trained (`train/reward`) and, with dynamic sampling,
+    those whose draws kept no group to train on (`dynamic/groups_drawn` alone)."""
+    return sorted({step for key in ("train/reward", "dynamic/groups_drawn") for step, _ in series(rows, key)} - {0})
+
+
+def rollouts_sampled(rows: list[dict[str, Any]], cfg: Any) -> int:
+    """Episodes an arm sampled for training over its steps: with dynamic sampling, every group it
+    drew (`dynamic/groups_drawn`) times the group size; without, its batch each step."""
+    drawn = series(rows, "dynamic/groups_drawn")
+    if drawn:
+        return int(round(sum(value for _, value in drawn))) * cfg.rollout.group_size
+    return len(rl_steps(rows)) * cfg.rollout.tasks_per_step * cfg.rollout.group_size
+
+
+def matching_steps(rollouts: int, per_step: int) -> int:
+    """The steps (at least 1) of `per_step` rollouts that come nearest `rollouts`."""
+    return max(1, math.floor(rollouts / per_step + 0.5))
+
 
 def lab_dynamic_sampling(out: Path, overrides: Sequence[str], quick: bool,
                          progress: Callable[[str], None]) -> LabResult:
-    """On the guessing game, where a fair share of groups all fail (or all succeed)."""
+    """GRPO with dynamic sampling, then without it on the same number of sampled rollouts, from one student."""
+    runs = train_variants(out, {"dynamic": ["algo.dynamic_sampling=true"]}, overrides, progress)
+    dynamic_cfg = config(out / "dynamic", overrides)
+    budget = rollouts_sampled(runs["dynamic"], dynamic_cfg)
+    per_step = dynamic_cfg.rollout.tasks_per_step * dynamic_cfg.rollout.group_size
+    steps = matching_steps(budget, per_step)
+    progress(f"the dynamic arm sampled {budget} rollouts: the no-dynamic arm runs {steps} steps of {per_step}")
+    runs.update(train_variants(out, {"no-dynamic": ["algo.dynamic_sampling=false", f"train.steps={steps}",
+                                                    "eval.before_rl=false"]}, overrides, progress))
+    start = [row for row in runs["dynamic"] if row.get("step") == 0 and "eval/success" in row]
+    runs["no-dynamic"] = [*start, *runs["no-dynamic"]]
+    chart = plot_variants(out / "dynamic_sampling.png", runs,
+                          [("train/zero_advantage_frac", "zero-advantage share of the trained batch"),
+                           ("train/reward", "training reward (kept groups)"),
+                           ("eval/success", "held-out strict success (greedy)")],
+                          "GRPO with and without dynamic sampling, same sampled rollouts")
+    numbers: dict[str, Any] = {}
+    for label, rows in runs.items():
+        cfg = config(out / label, [*overrides, *(["algo.dynamic_sampling=false"] if label == "no-dynamic" else [])])
+        sampled = rollouts_sampled(rows, cfg if label == "no-dynamic" else dynamic_cfg)
+        before, after = first(rows, "eval/success"), last(rows, "eval/success")
+        zero_before = [v for _, v in series(rows, "dynamic/zero_adv_frac_before")] or \
+            [v for _, v in series(rows, "train/zero_advantage_frac")]
+        numbers[label] = {"steps": len(rl_steps(rows)), "trained_steps": len(series(rows, "train/reward")),
+                          "rollouts_sampled": sampled,
+                          "zero_adv_frac_sampled": mean(zero_before),
+                          "zero_adv_frac_trained": mean([v for _, v in series(rows, "train/zero_advantage_frac")]),
+                          "eval_before": before, "eval_after": after,
+                          "lift_per_1000_rollouts": (after - before) / sampled * 1000 if sampled else math.nan,
+                          "reward_mean": mean([v for _, v in series(rows, "train/reward")]),
+                          "seconds": variant_record(out / label).get("seconds", math.nan),
+                          "step_s_mean": mean([v for _, v in series(rows, "time/step_s")])}
+    dyn, plain = numbers["dynamic"], numbers["no-dynamic"]
+    effect = paired_effect(out, "no-dynamic", "dynamic")
+    tasks = config(out, overrides).eval.tasks
+    summary = "\n".join([
+        "# Lab: dynamic sampling", "",
+        f"GRPO (no reference KL) from one warm-started student: `dynamic` for {dyn['steps']} steps with DAPO's "
+        f"dynamic sampling, then `no-dynamic` for {plain['steps']} steps without it, the steps that make the same "
+        f"number of sampled rollouts ({dyn['rollouts_sampled']} and {plain['rollouts_sampled']}). Held-out: "
+        f"{tasks} tasks, greedy, strict success, evaluated once at the start and at each arm's end.", "",
+        markdown_table(["arm", "steps", "rollouts sampled", "zero-advantage share, sampled",
+                        "zero-advantage share, trained", "held-out before", "held-out after",
+                        "held-out lift per 1000 rollouts", "training reward (mean)", "wall clock (s)"],
+                       [(k, v["steps"], v["rollouts_sampled"], v["zero_adv_frac_sampled"], v["zero_adv_frac_trained"],
+                         v["eval_before"], v["eval_after"], v["lift_per_1000_rollouts"], v["reward_mean"],
+                         v["seconds"]) for k, v in numbers.items()]), "",
+        f"Without dynamic sampling {plain['zero_adv_frac_trained']:.0%} of the trained groups had zero advantage: "
+        f"rollouts and learner passes that teach nothing. With it the trained share is "
+        f"{dyn['zero_adv_frac_trained']:.0%}, and {dyn['zero_adv_frac_sampled']:.0%} of what it sampled was dropped. "
+        + effect_sentence("Held-out, dynamic minus no-dynamic", effect, tasks, "dynamic sampling"), "",
+        f"Chart: {chart.name}"])
+    return LabResult("dynamic-sampling", numbers, summary, [chart],
+                     {"dynamic sampling (dynamic - no-dynamic)": effect})
+
+
+def lab_dynamic_sampling_guess(out: Path, overrides: Sequence[str], quick: bool,
+                               progress: Callable[[str], None]) -> LabResult:
+    """DAPO with and without dynamic sampling on the guessing game, where a fair share of groups all
+    fail (or all succeed)."""
     steps = 2 if quick else 12
     common = ["algo.preset=dapo", f"train.steps={steps}", f"eval.every={max(1, steps // 3)}",
               "rollout.dynamic_max_extra_groups=16"]
@@ -29,7 +136,7 @@ def lab_dynamic_sampling(out: Path, overrides: Sequence[str], quick: bool,
                        "eval_partial_after": last(rows, "eval/partial"),
                        "step_s_mean": mean([v for _, v in series(rows, "time/step_s")])}
                for label, rows in runs.items()}
-    summary = "\n".join(["# Lab: dynamic sampling", "",
+    summary = "\n".join(["# Lab: dynamic sampling (guessing game)", "",
                          f"DAPO for {steps} steps on the guessing game (1..16, 5 guesses) from one warm start, "
                          f"with and without dynamic sampling (at most 16 extra groups a step).", "",
                          markdown_table(["variant", "zero-adv frac (trained)", "zero-adv frac (before filter)",
@@ -41,5 +148,5 @@ def lab_dynamic_sampling(out: Path, overrides: Sequence[str], quick: bool,
                                          for k, v in numbers.items()]), "",
                          "With dynamic sampling every trained group has mixed rewards (zero-advantage fraction 0); "
                          "the price is the extra groups drawn per kept group.", "", f"Chart: {chart.name}"])
-    return LabResult("dynamic-sampling", numbers, summary, [chart],
+    return LabResult("dynamic-sampling-guess", numbers, summary, [chart],
                      {"dynamic sampling (dapo - dapo-no-dynamic)": paired_effect(out, "dapo-no-dynamic", "dapo")})

@@ -1,5 +1,8 @@
-"""Lab entropy: on the guessing game, GRPO with no KL anchor, without and with an entropy bonus:
-entropy over training, distinct guess sequences per group, success."""
+"""Lab entropy: GRPO with no KL anchor at a learning rate five times the default's, without and with
+an entropy bonus, on SmolLM2 as the default five-turn coding agent (the default run's cached warm
+start; `--quick`: the tiny model): mean token entropy per step, distinct patches per group (how
+many different final files a task's attempts wrote), the entropy-collapse alarm, held-out success.
+`entropy-guess` runs the guessing game's version (three arms)."""
 
 from __future__ import annotations
 
@@ -7,10 +10,86 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from keelrl.labs.common import (LabResult, paired_effect, alarms, config, first, last, markdown_table, mean, plot_variants,
-                                series, steps_run, train_variants, warm_tokenizer)
+from keelrl.labs.common import (LabResult, alarms, config, effect_sentence, first, last, markdown_table, mean,
+                                paired_effect, plot_variants, replayed_alarms, series, steps_run, train_variants,
+                                variant_record, warm_tokenizer)
+
+ENTROPY_CODING = ["model.path=smollm2", "rollout.tasks_per_step=4", "train.minibatch_size=8",
+                  "algo.dynamic_sampling=false", "algo.kl_coef=0", "optim.lr=1e-4", "train.steps=3", "eval.tasks=32",
+                  "eval.every=1000", "eval.probe_tasks=0", "output.checkpoint_every=1000",
+                  "output.sample_trajectories=2", "monitor.window=2"]
+"""The lab's budget over the default run (SmolLM2, five turns, its warm start): 3 RL steps of 4
+tasks x 4 attempts per arm (two updates a step), no reference KL, the learning rate 1e-4 (the
+default's five times), a 32-task held-out evaluation at the start (shared) and each arm's end."""
+
+ENTROPY_QUICK = ["model.path=tiny", "env.show_file=false", "env.max_turns=3", "rollout.max_new_tokens=16",
+                 "rollout.tasks_per_step=2", "rollout.group_size=2", "train.steps=2", "eval.tasks=4",
+                 "train.minibatch_size=2", "rollout.temperature=1.0", "eval.dtype=float32", "warm_start.demos=16",
+                 "warm_start.lr=2e-3", "rollout.max_context_tokens=2048", "perf.learner_precision=float32"]
+"""--quick: the tiny model, for a smoke run of the machinery."""
+
+BONUS = 0.01
+"""The entropy bonus's coefficient in the `bonus` arm."""
+
+
+def entropy_figures(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """A run's mean token entropy (`policy/entropy`): at its first and last step, and its lowest."""
+    entropy = [v for _, v in series(rows, "policy/entropy")]
+    return {"entropy_first": first(rows, "policy/entropy"), "entropy_last": last(rows, "policy/entropy"),
+            "entropy_min": min(entropy, default=math.nan)}
+
 
 def lab_entropy(out: Path, overrides: Sequence[str], quick: bool, progress: Callable[[str], None]) -> LabResult:
+    """GRPO at a high learning rate without a KL anchor, without and with an entropy bonus, from one student."""
+    variants = {"no-bonus": ["algo.entropy_coef=0"], "bonus": [f"algo.entropy_coef={BONUS:g}", "eval.before_rl=false"]}
+    runs = train_variants(out, variants, overrides, progress)
+    start = [row for row in runs["no-bonus"] if row.get("step") == 0 and "eval/success" in row]
+    runs["bonus"] = [*start, *runs["bonus"]]
+    steps = steps_run(runs)
+    fired = {label: [(int(event["step"]), event["alarm"]) for event in replayed_alarms(out / label)
+                     if event["alarm"] == "entropy_collapse"] for label in runs}
+    chart = plot_variants(out / "entropy.png", runs,
+                          [("policy/entropy", "mean token entropy (sampled actions)"),
+                           ("train/distinct_patches", "distinct final files per group"),
+                           ("eval/success", "held-out strict success (greedy)")],
+                          "Entropy bonus at a high learning rate, no KL anchor", marks=fired)
+    numbers: dict[str, dict[str, Any]] = {}
+    for label, rows in runs.items():
+        numbers[label] = {**entropy_figures(rows), "distinct_patches_first": first(rows, "train/distinct_patches"),
+                          "distinct_patches_last": last(rows, "train/distinct_patches"),
+                          "train_success": mean([v for _, v in series(rows, "train/success")]),
+                          "eval_before": first(rows, "eval/success"), "eval_after": last(rows, "eval/success"),
+                          "collapse_alarm_steps": [step for step, _ in fired[label]],
+                          "seconds": variant_record(out / label).get("seconds")}
+    cfg = config(out, overrides)
+    plain, bonus = numbers["no-bonus"], numbers["bonus"]
+    effect = paired_effect(out, "no-bonus", "bonus")
+    group = cfg.rollout.group_size
+    summary = "\n".join([
+        "# Lab: entropy", "",
+        f"One warm-started student, then {steps} steps of GRPO with no KL anchor at lr {cfg.optim.lr:g}, without an "
+        f"entropy bonus and with one (coefficient {BONUS:g}). Distinct patches: how many different final files "
+        f"the {group} attempts at a task wrote ({group}: every attempt differs; 1: the group explores nothing). "
+        f"Held-out: {cfg.eval.tasks} tasks, greedy, strict success.", "",
+        markdown_table(["arm", "entropy first", "entropy last", "entropy min", "distinct patches first",
+                        "distinct patches last", "training success (mean)", "held-out before", "held-out after",
+                        "entropy-collapse alarm at steps", "wall clock (s)"],
+                       [(k, v["entropy_first"], v["entropy_last"], v["entropy_min"], v["distinct_patches_first"],
+                         v["distinct_patches_last"], v["train_success"], v["eval_before"], v["eval_after"],
+                         ", ".join(map(str, v["collapse_alarm_steps"])) or "none", v["seconds"])
+                        for k, v in numbers.items()]), "",
+        (f"- `no-bonus`: entropy fell to {plain['entropy_min']:.3g} (from {plain['entropy_first']:.3g}): a collapse."
+         if plain["entropy_min"] < 0.5 * plain["entropy_first"] else
+         f"- `no-bonus`: entropy did not halve in this budget (lowest {plain['entropy_min']:.3g}, from "
+         f"{plain['entropy_first']:.3g})."),
+        f"- `bonus`: entropy {bonus['entropy_first']:.3g} -> {bonus['entropy_last']:.3g}; distinct patches "
+        f"{bonus['distinct_patches_first']:.3g} -> {bonus['distinct_patches_last']:.3g}.",
+        effect_sentence("- Held-out, bonus minus no-bonus", effect, cfg.eval.tasks, "the bonus"), "",
+        f"Chart: {chart.name}"])
+    return LabResult("entropy", numbers, summary, [chart], {"bonus - no-bonus": effect})
+
+
+def lab_entropy_guess(out: Path, overrides: Sequence[str], quick: bool, progress: Callable[[str], None]) -> LabResult:
     """GRPO without a KL anchor, with and without an entropy bonus, on the guessing game."""
     steps = 2 if quick else 16
     common = ["algo.preset=grpo", f"train.steps={steps}", f"eval.every={max(1, steps // 2)}",
@@ -25,10 +104,7 @@ def lab_entropy(out: Path, overrides: Sequence[str], quick: bool, progress: Call
                            ("train/reward", "training success")], "Entropy bonus")
     numbers: dict[str, dict[str, Any]] = {}
     for label, rows in runs.items():
-        entropy = [v for _, v in series(rows, "policy/entropy")]
-        numbers[label] = {"entropy_first": first(rows, "policy/entropy"), "entropy_last": last(rows, "policy/entropy"),
-                          "entropy_min": min(entropy, default=math.nan),
-                          "distinct_answers_first": first(rows, "train/distinct_patches"),
+        numbers[label] = {**entropy_figures(rows), "distinct_answers_first": first(rows, "train/distinct_patches"),
                           "distinct_answers_last": last(rows, "train/distinct_patches"),
                           "reward_first3": mean([v for _, v in series(rows, "train/reward")[:3]]),
                           "reward_last3": mean([v for _, v in series(rows, "train/reward")[-3:]]),
@@ -49,7 +125,7 @@ def lab_entropy(out: Path, overrides: Sequence[str], quick: bool, progress: Call
                 f"{v['eval_before']:.3g} -> {v['eval_after']:.3g}.")
 
     summary = "\n".join([
-        "# Lab: entropy", "",
+        "# Lab: entropy (guessing game)", "",
         f"The guessing game (1..16, 5 guesses), GRPO at lr {lr:g} with no KL anchor for {steps} steps from one "
         "warm start, without an entropy bonus and with two coefficients. Distinct answers: distinct guess "
         "sequences among a group's attempts (1 = the group explores nothing).", "",
@@ -65,5 +141,5 @@ def lab_entropy(out: Path, overrides: Sequence[str], quick: bool, progress: Call
          f"{plain['entropy_first']:.3g}); the collapse the lecture describes needs longer training than this lab's."),
         *[bonus_line(label) for label in numbers if label != "no-bonus"],
         "", f"Chart: {chart.name}"])
-    return LabResult("entropy", numbers, summary, [chart],
+    return LabResult("entropy-guess", numbers, summary, [chart],
                      {f"{label} - no-bonus": paired_effect(out, "no-bonus", label) for label in ("bonus-0.005", "bonus-0.05")})
