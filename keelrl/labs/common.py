@@ -40,6 +40,13 @@ ENTROPY = [*GUESS, "warm_start.mistake_rate=0.3", "rollout.tasks_per_step=16", "
 QUICK = ["rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=16", "env.max_turns=2",
          "eval.tasks=4", "warm_start.demos=8", "warm_start.epochs=1", "train.minibatch_size=4"]
 
+CODING_QUICK = ["model.path=tiny", "env.show_file=false", "env.max_turns=3", "rollout.max_new_tokens=16",
+                "rollout.tasks_per_step=2", "rollout.group_size=2", "train.steps=2", "eval.tasks=4",
+                "train.minibatch_size=2", "rollout.temperature=1.0", "eval.dtype=float32", "warm_start.demos=16",
+                "warm_start.lr=2e-3", "rollout.max_context_tokens=2048", "perf.learner_precision=float32"]
+"""--quick on a SmolLM2 coding lab: the tiny model, 3 turns, 2 tasks x 2 attempts for 2 steps, a
+4-task evaluation, a short warm start: a smoke run of the lab's machinery (each lab adds its own)."""
+
 QUICK_GUESS = ["rollout.tasks_per_step=2", "rollout.group_size=2", "eval.tasks=4", "warm_start.demos=16",
                "warm_start.epochs=1", "train.minibatch_size=4"]
 """--quick on a guessing-game lab (5 turns kept: the teacher's demonstrations must still succeed)."""
@@ -266,6 +273,14 @@ def variant_record(run_dir: Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+
+
+def share_start(runs: dict[str, list[dict[str, Any]]], source: str) -> dict[str, list[dict[str, Any]]]:
+    """`runs` with variant `source`'s evaluation before RL (its step-0 `eval/success` rows) put
+    first in every other variant's rows: the variants that start from one student and skip that
+    evaluation (eval.before_rl=false) begin their curves from it."""
+    start = [row for row in runs[source] if row.get("step") == 0 and "eval/success" in row]
+    return {label: rows if label == source else [*start, *rows] for label, rows in runs.items()}
 
 
 def steps_run(runs: dict[str, list[dict[str, Any]]]) -> int:

@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from keelrl.labs.common import (LabResult, paired_effect, first, last, markdown_table, mean, plot_variants, series,
-                                steps_run, train_variants)
+from keelrl.labs.common import (CODING_QUICK, LabResult, paired_effect, first, last, markdown_table, mean,
+                                plot_variants, series, share_start, steps_run, train_variants)
 
 CREDIT = ["model.path=smollm2", "train.steps=4", "eval.every=2", "eval.tasks=60", "prm.enabled=true",
           "output.checkpoint_every=1000", "output.sample_trajectories=2"]
@@ -20,11 +20,7 @@ once). Every variant
 labels its turns by hidden-check progress (`prm.enabled`) for the trajectory-B measurement;
 only grpo-prm adds the scorer to its advantages."""
 
-CREDIT_QUICK = ["model.path=tiny", "env.show_file=false", "env.max_turns=3", "rollout.max_new_tokens=16",
-                "rollout.tasks_per_step=2", "rollout.group_size=2", "train.steps=2", "eval.every=1",
-                "eval.tasks=4", "train.minibatch_size=2", "rollout.temperature=1.0", "eval.dtype=float32",
-                "warm_start.demos=16", "warm_start.lr=2e-3", "rollout.max_context_tokens=2048",
-                "perf.learner_precision=float32"]
+CREDIT_QUICK = [*CODING_QUICK, "eval.every=1"]
 """--quick: the tiny model, for a smoke run of the machinery."""
 
 VARIANTS = {"grpo": ["algo.preset=grpo"],
@@ -49,8 +45,7 @@ def lab_credit(out: Path, overrides: Sequence[str], quick: bool, progress: Calla
     variants = {label: [*extra, *([] if label == first_variant else ["eval.before_rl=false"])]
                 for label, extra in VARIANTS.items()}  # one start, evaluated once
     runs = train_variants(out, variants, overrides, progress)
-    start = [row for row in runs[first_variant] if row.get("step") == 0 and "eval/success" in row]
-    runs = {label: rows if label == first_variant else [*start, *rows] for label, rows in runs.items()}
+    runs = share_start(runs, first_variant)
     steps = steps_run(runs)
     chart = plot_variants(out / "credit.png", runs, [("eval/success", "held-out strict success (greedy)"),
                                                      ("train/success", "training success (sampled)"),

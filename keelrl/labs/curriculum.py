@@ -15,8 +15,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from keelrl.labs.common import (LabResult, config, effect_sentence, first, last, markdown_table, mean, paired_effect,
-                                plot_variants, series, steps_run, train_variants, variant_record)
+from keelrl.labs.common import (CODING_QUICK, LabResult, config, effect_sentence, first, last, markdown_table, mean,
+                                paired_effect, plot_variants, series, share_start, steps_run, train_variants,
+                                variant_record)
 
 EASY_KINDS = ("off_by_one", "flipped_comparison", "falsy_or_default", "missing_none_guard", "swapped_arguments")
 """Level 0: the kinds the cached SmolLM2 student fixed at least half of in its 32-task held-out
@@ -35,10 +36,7 @@ tasks x 4 attempts per arm (two updates a step, no dynamic sampling: every arm s
 16 episodes a step), no reference KL, a 32-task held-out evaluation at the start (shared) and at
 each arm's end. The levels apply only where the curriculum is enabled."""
 
-CURRICULUM_QUICK = ["model.path=tiny", "env.show_file=false", "env.max_turns=3", "rollout.max_new_tokens=16",
-                    "rollout.tasks_per_step=2", "rollout.group_size=2", "train.steps=2", "eval.tasks=4",
-                    "train.minibatch_size=2", "rollout.temperature=1.0", "eval.dtype=float32", "warm_start.demos=16",
-                    "warm_start.lr=2e-3", "rollout.max_context_tokens=2048", "perf.learner_precision=float32"]
+CURRICULUM_QUICK = CODING_QUICK
 """--quick: the tiny model, for a smoke run of the machinery."""
 
 VARIANTS = {"uniform": ["curriculum.enabled=false"], "curriculum": ["curriculum.enabled=true", "eval.before_rl=false"]}
@@ -78,8 +76,7 @@ def heldout_by_level(run_dir: Path, cfg: Any, which: str) -> dict[int, float]:
 def lab_curriculum(out: Path, overrides: Sequence[str], quick: bool, progress: Callable[[str], None]) -> LabResult:
     """Uniform task draws against the success-rate curriculum over the kinds, from one student."""
     runs = train_variants(out, VARIANTS, overrides, progress)
-    start = [row for row in runs["uniform"] if row.get("step") == 0 and "eval/success" in row]
-    runs["curriculum"] = [*start, *runs["curriculum"]]
+    runs = share_start(runs, "uniform")
     steps = steps_run(runs)
     cfg = config(out, overrides)
     chart = plot_variants(out / "curriculum.png", runs,

@@ -18,8 +18,9 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from keelrl.labs.common import (LabResult, config, effect_sentence, first, last, markdown_table, mean, paired_effect,
-                                plot_variants, series, steps_run, train_variants, variant_record)
+from keelrl.labs.common import (CODING_QUICK, LabResult, config, effect_sentence, first, last, markdown_table, mean,
+                                paired_effect, plot_variants, series, share_start, steps_run, train_variants,
+                                variant_record)
 
 DYNAMIC = ["model.path=smollm2", "algo.preset=grpo", "algo.kl_coef=0", "rollout.tasks_per_step=2",
            "rollout.group_size=4", "train.minibatch_size=8", "rollout.dynamic_max_extra_groups=6", "train.steps=3",
@@ -30,10 +31,7 @@ shares with the default run's): GRPO without a reference KL, batches of 2 tasks 
 (one update a step); the dynamic arm 3 steps, drawing at most 6 extra groups a step; a 32-task
 held-out evaluation at the start and the end of each arm (no probe between)."""
 
-DYNAMIC_QUICK = ["model.path=tiny", "env.show_file=false", "env.max_turns=3", "rollout.max_new_tokens=16",
-                 "rollout.group_size=2", "train.steps=2", "eval.tasks=4", "train.minibatch_size=4",
-                 "rollout.temperature=1.0", "eval.dtype=float32", "warm_start.demos=16", "warm_start.lr=2e-3",
-                 "rollout.max_context_tokens=2048", "perf.learner_precision=float32", "rollout.dynamic_max_extra_groups=2"]
+DYNAMIC_QUICK = [*CODING_QUICK, "train.minibatch_size=4", "rollout.dynamic_max_extra_groups=2"]
 """--quick: the tiny model, for a smoke run of the machinery."""
 
 
@@ -68,8 +66,7 @@ def lab_dynamic_sampling(out: Path, overrides: Sequence[str], quick: bool,
     progress(f"the dynamic arm sampled {budget} rollouts: the no-dynamic arm runs {steps} steps of {per_step}")
     runs.update(train_variants(out, {"no-dynamic": ["algo.dynamic_sampling=false", f"train.steps={steps}",
                                                     "eval.before_rl=false"]}, overrides, progress))
-    start = [row for row in runs["dynamic"] if row.get("step") == 0 and "eval/success" in row]
-    runs["no-dynamic"] = [*start, *runs["no-dynamic"]]
+    runs = share_start(runs, "dynamic")
     chart = plot_variants(out / "dynamic_sampling.png", runs,
                           [("train/zero_advantage_frac", "zero-advantage share of the trained batch"),
                            ("train/reward", "training reward (kept groups)"),

@@ -10,9 +10,9 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from keelrl.labs.common import (LabResult, alarms, config, effect_sentence, first, last, markdown_table, mean,
-                                paired_effect, plot_variants, replayed_alarms, series, steps_run, train_variants,
-                                variant_record, warm_tokenizer)
+from keelrl.labs.common import (CODING_QUICK, LabResult, alarms, config, effect_sentence, first, last, markdown_table,
+                                mean, paired_effect, plot_variants, replayed_alarms, series, share_start, steps_run,
+                                train_variants, variant_record, warm_tokenizer)
 
 ENTROPY_CODING = ["model.path=smollm2", "rollout.tasks_per_step=4", "train.minibatch_size=8",
                   "algo.dynamic_sampling=false", "algo.kl_coef=0", "optim.lr=1e-4", "train.steps=3", "eval.tasks=32",
@@ -22,10 +22,7 @@ ENTROPY_CODING = ["model.path=smollm2", "rollout.tasks_per_step=4", "train.minib
 tasks x 4 attempts per arm (two updates a step), no reference KL, the learning rate 1e-4 (the
 default's five times), a 32-task held-out evaluation at the start (shared) and each arm's end."""
 
-ENTROPY_QUICK = ["model.path=tiny", "env.show_file=false", "env.max_turns=3", "rollout.max_new_tokens=16",
-                 "rollout.tasks_per_step=2", "rollout.group_size=2", "train.steps=2", "eval.tasks=4",
-                 "train.minibatch_size=2", "rollout.temperature=1.0", "eval.dtype=float32", "warm_start.demos=16",
-                 "warm_start.lr=2e-3", "rollout.max_context_tokens=2048", "perf.learner_precision=float32"]
+ENTROPY_QUICK = CODING_QUICK
 """--quick: the tiny model, for a smoke run of the machinery."""
 
 BONUS = 0.01
@@ -43,8 +40,7 @@ def lab_entropy(out: Path, overrides: Sequence[str], quick: bool, progress: Call
     """GRPO at a high learning rate without a KL anchor, without and with an entropy bonus, from one student."""
     variants = {"no-bonus": ["algo.entropy_coef=0"], "bonus": [f"algo.entropy_coef={BONUS:g}", "eval.before_rl=false"]}
     runs = train_variants(out, variants, overrides, progress)
-    start = [row for row in runs["no-bonus"] if row.get("step") == 0 and "eval/success" in row]
-    runs["bonus"] = [*start, *runs["bonus"]]
+    runs = share_start(runs, "no-bonus")
     steps = steps_run(runs)
     fired = {label: [(int(event["step"]), event["alarm"]) for event in replayed_alarms(out / label)
                      if event["alarm"] == "entropy_collapse"] for label in runs}

@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from keelrl.labs.common import (LabResult, first, last, markdown_table, paired_effect, plot_variants,
+from keelrl.labs.common import (CODING_QUICK, LabResult, first, last, markdown_table, paired_effect, plot_variants,
                                 replayed_alarms, series, steps_run, train_variants, variant_record)
 
 HACKING = ["model.path=smollm2", "rollout.tasks_per_step=4", "train.minibatch_size=8", "algo.dynamic_sampling=false",
@@ -37,11 +37,7 @@ setting where a hack can spread); the strong verifier's held-out success on the 
 steps 0, 2 and 4 (a full evaluation at the start and the end, the probe between). About 17
 minutes an arm on a 2-core Zen 1 EPYC."""
 
-HACKING_QUICK = ["model.path=tiny", "env.show_file=false", "env.max_turns=3", "rollout.max_new_tokens=16",
-                 "rollout.tasks_per_step=2", "rollout.group_size=2", "train.steps=2", "eval.every=2",
-                 "eval.tasks=4", "eval.probe_tasks=4", "train.minibatch_size=2", "rollout.temperature=1.0",
-                 "eval.dtype=float32", "warm_start.demos=16", "warm_start.lr=2e-3", "rollout.max_context_tokens=2048",
-                 "perf.learner_precision=float32", "eval.probe_every=1"]
+HACKING_QUICK = [*CODING_QUICK, "eval.every=2", "eval.probe_tasks=4", "eval.probe_every=1"]
 """--quick: the tiny model, for a smoke run of the machinery."""
 
 VARIANTS = {"weak": ["env.verifier=weak"], "brittle": ["env.verifier=brittle"], "strong": ["env.verifier=strong"]}
