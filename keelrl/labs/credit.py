@@ -9,16 +9,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from keelrl.labs.common import (CODING_QUICK, LabResult, paired_effect, first, last, markdown_table, mean,
-                                plot_variants, series, share_start, steps_run, train_variants)
+from keelrl.labs.common import (CODING_QUICK, LabResult, config, effect_sentence, first, last, markdown_table, mean,
+                                paired_effect, plot_variants, series, share_start, steps_run, train_variants,
+                                variant_record)
 
-CREDIT = ["model.path=smollm2", "train.steps=4", "eval.every=2", "eval.tasks=60", "prm.enabled=true",
-          "output.checkpoint_every=1000", "output.sample_trajectories=2"]
-"""The credit lab's budget over the default run (SmolLM2, five turns, its warm start): 4 RL steps
-of 8 tasks x 4 attempts per variant, a 60-task held-out evaluation every 2 steps (the shared start's
-once). Every variant
-labels its turns by hidden-check progress (`prm.enabled`) for the trajectory-B measurement;
-only grpo-prm adds the scorer to its advantages."""
+CREDIT = ["model.path=smollm2", "rollout.tasks_per_step=4", "train.minibatch_size=8", "algo.dynamic_sampling=false",
+          "algo.kl_coef=0", "train.steps=3", "eval.tasks=32", "eval.every=1000", "eval.probe_tasks=0",
+          "prm.enabled=true", "output.checkpoint_every=1000", "output.sample_trajectories=2"]
+"""The credit lab's budget over the default run (SmolLM2, five turns, its cached warm start), the
+other SmolLM2 coding labs' (entropy, curriculum): 3 RL steps of 4 tasks x 4 attempts per variant
+(two updates a step, the same sampled rollouts' count for every variant: no dynamic sampling), no
+reference KL, a 32-task held-out evaluation at the start (shared) and each variant's end. Every
+variant labels its turns by hidden-check progress (`prm.enabled`) for the trajectory-B
+measurement; only grpo-prm adds the scorer to its advantages."""
 
 CREDIT_QUICK = [*CODING_QUICK, "eval.every=1"]
 """--quick: the tiny model, for a smoke run of the machinery."""
@@ -58,12 +61,16 @@ def lab_credit(out: Path, overrides: Sequence[str], quick: bool, progress: Calla
         numbers[label] = {"eval_before": first(rows, "eval/success"), "eval_after": last(rows, "eval/success"),
                           "train_success": mean([v for _, v in series(rows, "train/success")]),
                           "recovery_after": last(rows, "eval/recovery_rate"),
-                          "good_turns": good, "good_turn_positive_share": share}
+                          "good_turns": good, "good_turn_positive_share": share,
+                          "seconds": variant_record(out / label).get("seconds")}
     table = markdown_table(
         ["variant", "held-out before", "held-out after", "training success (mean)", "recovery after",
-         "good turns of failed episodes", "share credited > 0"],
+         "good turns of failed episodes", "share credited > 0", "wall clock (s)"],
         [(k, v["eval_before"], v["eval_after"], v["train_success"], v["recovery_after"], v["good_turns"],
-          v["good_turn_positive_share"]) for k, v in numbers.items()])
+          v["good_turn_positive_share"], v["seconds"]) for k, v in numbers.items()])
+    tasks = config(out, overrides).eval.tasks
+    effects = {f"{label} - {first_variant}": paired_effect(out, first_variant, label)
+               for label in runs if label != first_variant}
     summary = "\n".join([
         "# Lab: credit assignment", "",
         f"One warm-started student, then {steps} RL steps of each credit assignment on the same rollout "
@@ -71,11 +78,13 @@ def lab_credit(out: Path, overrides: Sequence[str], quick: bool, progress: Calla
         "and turn-level GAE (lambda 0.9: a turn is credited by how the critic's estimate moved), and GRPO "
         "with the process reward model as a surrogate value (its score of each code-changing turn, "
         "centred in the group, added to the turn's advantage). Every variant labels each code-changing "
-        "turn by whether it raised the hidden-check pass count.", "",
+        f"turn by whether it raised the hidden-check pass count. Held-out: {tasks} tasks, greedy, strict "
+        "success, the start evaluated once.", "",
         table, "",
         "Good turns: turns of failed training episodes that raised the hidden-check pass count (the "
         "lecture's trajectory B), pooled over the steps; the share is those whose mean advantage over "
         "the turn's tokens was positive. GRPO gives them their episode's sign; per-turn credit can "
-        "reward them.", "", f"Chart: {chart.name}"])
-    return LabResult("credit", numbers, summary, [chart],
-                     {f"{label} - grpo": paired_effect(out, "grpo", label) for label in ("ppo-turn-gae", "grpo-prm")})
+        "reward them.", "",
+        *[effect_sentence(f"- Held-out, {name}", effect, tasks, name.split(" - ")[0]) for name, effect in effects.items()],
+        "", f"Chart: {chart.name}"])
+    return LabResult("credit", numbers, summary, [chart], effects)
