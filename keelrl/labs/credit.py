@@ -9,13 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from keelrl.labs.common import (CODING_QUICK, LabResult, config, effect_sentence, first, last, markdown_table, mean,
+from keelrl.labs.common import (CODING_LAB, CODING_QUICK, LabResult, config, effect_sentence, first, last, markdown_table, mean,
                                 paired_effect, plot_variants, series, share_start, steps_run, train_variants,
                                 variant_record)
 
-CREDIT = ["model.path=smollm2", "rollout.tasks_per_step=4", "train.minibatch_size=8", "algo.dynamic_sampling=false",
-          "algo.kl_coef=0", "train.steps=3", "eval.tasks=32", "eval.every=1000", "eval.probe_tasks=0",
-          "prm.enabled=true", "output.checkpoint_every=1000", "output.sample_trajectories=2"]
+CREDIT = [*CODING_LAB, "prm.enabled=true"]
 """The credit lab's budget over the default run (SmolLM2, five turns, its cached warm start), the
 other SmolLM2 coding labs' (entropy, curriculum): 3 RL steps of 4 tasks x 4 attempts per variant
 (two updates a step, the same sampled rollouts' count for every variant: no dynamic sampling), no

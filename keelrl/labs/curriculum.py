@@ -15,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from keelrl.labs.common import (CODING_QUICK, LabResult, config, effect_sentence, first, last, markdown_table, mean,
+from keelrl.labs.common import (CODING_LAB, CODING_QUICK, LabResult, config, effect_sentence, first, last, markdown_table, mean,
                                 paired_effect, plot_variants, series, share_start, steps_run, train_variants,
                                 variant_record)
 
@@ -26,10 +26,7 @@ evaluation after the warm start (the reward-hacking lab's step 0, docs/measureme
 HARD_KINDS = ("missing_empty_guard", "wrong_default", "inverted_condition", "missing_validation", "wrong_operator")
 """Level 1: the coding environment's other five kinds."""
 
-CURRICULUM = ["model.path=smollm2", "rollout.tasks_per_step=4", "train.minibatch_size=8", "algo.dynamic_sampling=false",
-              "algo.kl_coef=0", "train.steps=3", "eval.tasks=32", "eval.every=1000", "eval.probe_tasks=0",
-              "output.checkpoint_every=1000", "output.sample_trajectories=2",
-              "curriculum.levels=" + ",".join([*(f"{kind}:0" for kind in EASY_KINDS),
+CURRICULUM = [*CODING_LAB, "curriculum.levels=" + ",".join([*(f"{kind}:0" for kind in EASY_KINDS),
                                                 *(f"{kind}:1" for kind in HARD_KINDS)])]
 """The lab's budget over the default run (SmolLM2, five turns, its warm start): 3 RL steps of 4
 tasks x 4 attempts per arm (two updates a step, no dynamic sampling: every arm samples the same

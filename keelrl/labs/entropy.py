@@ -10,14 +10,11 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from keelrl.labs.common import (CODING_QUICK, LabResult, alarms, config, effect_sentence, first, last, markdown_table,
+from keelrl.labs.common import (CODING_LAB, CODING_QUICK, LabResult, alarms, config, effect_sentence, first, last, markdown_table,
                                 mean, paired_effect, plot_variants, replayed_alarms, series, share_start, steps_run,
                                 train_variants, variant_record, warm_tokenizer)
 
-ENTROPY_CODING = ["model.path=smollm2", "rollout.tasks_per_step=4", "train.minibatch_size=8",
-                  "algo.dynamic_sampling=false", "algo.kl_coef=0", "optim.lr=1e-4", "train.steps=3", "eval.tasks=32",
-                  "eval.every=1000", "eval.probe_tasks=0", "output.checkpoint_every=1000",
-                  "output.sample_trajectories=2", "monitor.window=2"]
+ENTROPY_CODING = [*CODING_LAB, "optim.lr=1e-4", "monitor.window=2"]
 """The lab's budget over the default run (SmolLM2, five turns, its warm start): 3 RL steps of 4
 tasks x 4 attempts per arm (two updates a step), no reference KL, the learning rate 1e-4 (the
 default's five times), a 32-task held-out evaluation at the start (shared) and each arm's end."""

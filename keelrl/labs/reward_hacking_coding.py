@@ -23,19 +23,16 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from keelrl.labs.common import (CODING_QUICK, LabResult, first, last, markdown_table, paired_effect, plot_variants,
+from keelrl.labs.common import (CODING_LAB, CODING_QUICK, LabResult, first, last, markdown_table, paired_effect, plot_variants,
                                 replayed_alarms, series, steps_run, train_variants, variant_record)
 
-HACKING = ["model.path=smollm2", "rollout.tasks_per_step=4", "train.minibatch_size=8", "algo.dynamic_sampling=false",
-           "algo.kl_coef=0", "train.steps=4", "eval.tasks=32", "eval.every=4", "eval.probe_every=2",
-           "eval.probe_tasks=32", "monitor.window=2", "output.checkpoint_every=1000", "output.sample_trajectories=2"]
+HACKING = [*CODING_LAB, "train.steps=4", "eval.every=4", "eval.probe_every=2", "eval.probe_tasks=32", "monitor.window=2"]
 """The lab's budget over the default run (SmolLM2, five turns, its warm start, which every arm
 shares with the default run's): 4 RL steps of 4 tasks x 4 attempts per arm, two updates a step,
 the same 16 rollouts a step in every arm (no dynamic sampling, which would draw more where a
 verifier pays every attempt) and no reference KL (nothing anchors the policy to its start: the
 setting where a hack can spread); the strong verifier's held-out success on the same 32 tasks at
-steps 0, 2 and 4 (a full evaluation at the start and the end, the probe between). About 17
-minutes an arm on a 2-core Zen 1 EPYC."""
+steps 0, 2 and 4 (a full evaluation at the start and the end, the probe between)."""
 
 HACKING_QUICK = [*CODING_QUICK, "eval.every=2", "eval.probe_tasks=4", "eval.probe_every=1"]
 """--quick: the tiny model, for a smoke run of the machinery."""
