@@ -14,12 +14,10 @@ from keelrl.labs.common import (CODING_LAB, CODING_QUICK, LabResult, config, eff
                                 variant_record)
 
 CREDIT = [*CODING_LAB, "prm.enabled=true"]
-"""The credit lab's budget over the default run (SmolLM2, five turns, its cached warm start), the
-other SmolLM2 coding labs' (entropy, curriculum): 3 RL steps of 4 tasks x 4 attempts per variant
-(two updates a step, the same sampled rollouts' count for every variant: no dynamic sampling), no
-reference KL, a 32-task held-out evaluation at the start (shared) and each variant's end. Every
-variant labels its turns by hidden-check progress (`prm.enabled`) for the trajectory-B
-measurement; only grpo-prm adds the scorer to its advantages."""
+"""The SmolLM2 coding labs' budget (`CODING_LAB`: 3 RL steps of 4 tasks x 4 attempts per variant,
+the same sampled rollouts' count for every variant, 32 held-out tasks at the start, shared, and at
+each variant's end). Every variant labels its turns by hidden-check progress (`prm.enabled`) for
+the trajectory-B measurement; only grpo-prm adds the scorer to its advantages."""
 
 CREDIT_QUICK = [*CODING_QUICK, "eval.every=1"]
 """--quick: the tiny model, for a smoke run of the machinery."""

@@ -27,11 +27,10 @@ HARD_KINDS = ("missing_empty_guard", "wrong_default", "inverted_condition", "mis
 """Level 1: the coding environment's other five kinds."""
 
 CURRICULUM = [*CODING_LAB, "curriculum.levels=" + ",".join([*(f"{kind}:0" for kind in EASY_KINDS),
-                                                *(f"{kind}:1" for kind in HARD_KINDS)])]
-"""The lab's budget over the default run (SmolLM2, five turns, its warm start): 3 RL steps of 4
-tasks x 4 attempts per arm (two updates a step, no dynamic sampling: every arm samples the same
-16 episodes a step), no reference KL, a 32-task held-out evaluation at the start (shared) and at
-each arm's end. The levels apply only where the curriculum is enabled."""
+                                                             *(f"{kind}:1" for kind in HARD_KINDS)])]
+"""The SmolLM2 coding labs' budget (`CODING_LAB`: 3 RL steps of 4 tasks x 4 attempts per arm, the
+same 16 episodes a step in every arm, 32 held-out tasks at the start, shared, and at each arm's
+end) and the kind levels, which apply only where the curriculum is enabled."""
 
 CURRICULUM_QUICK = CODING_QUICK
 """--quick: the tiny model, for a smoke run of the machinery."""

@@ -15,9 +15,9 @@ from keelrl.labs.common import (CODING_LAB, CODING_QUICK, LabResult, alarms, con
                                 train_variants, variant_record, warm_tokenizer)
 
 ENTROPY_CODING = [*CODING_LAB, "optim.lr=1e-4", "monitor.window=2"]
-"""The lab's budget over the default run (SmolLM2, five turns, its warm start): 3 RL steps of 4
-tasks x 4 attempts per arm (two updates a step), no reference KL, the learning rate 1e-4 (the
-default's five times), a 32-task held-out evaluation at the start (shared) and each arm's end."""
+"""The SmolLM2 coding labs' budget (`CODING_LAB`: 3 RL steps of 4 tasks x 4 attempts per arm, no
+reference KL, 32 held-out tasks at the start, shared, and at each arm's end) at the learning rate
+1e-4 (the default's five times)."""
 
 ENTROPY_QUICK = CODING_QUICK
 """--quick: the tiny model, for a smoke run of the machinery."""
