@@ -2,8 +2,13 @@
 directory and the overrides that make a training run quick. Tests import the constants and helpers
 as `from conftest import SMALL, FAST_RUN, ...`; pytest finds the fixtures by name."""
 
+import io
 import os
+import signal
+import subprocess
+import sys
 import tempfile
+from contextlib import redirect_stderr, redirect_stdout
 
 # One thread for the torch of every subprocess a test starts too (`keel` runs, bench smoke runs),
 # for the reason below torch.set_num_threads(1).
@@ -89,3 +94,34 @@ def action_runs(trajectory) -> list[list[int]]:
         if acting:
             runs.setdefault(turn, []).append(token)
     return [runs[turn] for turn in sorted(runs)]
+
+
+def keel_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`keel ARGS` through `keelrl.cli.main`, the console script's own function, in this test's
+    process: what `subprocess.run([keel, *args], capture_output=True, text=True)` returns (the
+    exit status, stdout, stderr) without a new interpreter importing torch and transformers
+    again, seconds a call. An exception a command lets out fails the test with its traceback.
+    What a command may change for the whole process is put back: the working directory, the
+    environment, the SIGTERM handler and torch's thread count. Tests of the console script
+    itself, of a process killed or served, start `keel` as a process."""
+    from keelrl.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    before = os.getcwd(), dict(os.environ), signal.getsignal(signal.SIGTERM), torch.get_num_threads()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with redirect_stdout(out), redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as done:  # argparse's errors (2) and --version (0), as the script exits
+                code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+                if isinstance(done.code, str):
+                    print(done.code, file=sys.stderr)
+    finally:
+        os.chdir(before[0])
+        os.environ.clear()
+        os.environ.update(before[1])
+        signal.signal(signal.SIGTERM, before[2])
+        torch.set_num_threads(before[3])
+    return subprocess.CompletedProcess(["keel", *args], code, out.getvalue(), err.getvalue())

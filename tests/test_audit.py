@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 import pytest
+from conftest import keel_cli
 
 from keelrl.audit import (CANARY_VAR, FALSE_POSITIVE, FALSE_POSITIVE_PROBES, MAX_PROBE_CHARS, REWRITE, REWRITES,
                           Channels, Probe, answer_server, audit_probe, audit_task, check_exposure, compare_with_fix,
@@ -465,10 +466,7 @@ def test_planted_secret_restores_the_environment(monkeypatch):
 # -- the command -----------------------------------------------------------------------------------
 
 def keel_audit(*args: str) -> tuple[int, dict]:
-    exe = shutil.which("keel", path=str(Path(sys.executable).parent))
-    assert exe, "the keel console script is not installed next to this interpreter"
-    done = subprocess.run([exe, "audit", "--format", "json", *args], capture_output=True, text=True, timeout=300,
-                          cwd=REPO)
+    done = keel_cli("audit", "--format", "json", *args, cwd=REPO)
     assert done.returncode in (0, 1), done.stderr
     return done.returncode, json.loads(done.stdout)
 
@@ -516,12 +514,11 @@ def test_keel_audit_table_and_bad_arguments(tmp_path):
     exe = shutil.which("keel", path=str(Path(sys.executable).parent))
     assert exe
     done = subprocess.run([exe, "audit", "--tasks", str(tmp_path / "covered.jsonl")], capture_output=True, text=True,
-                          timeout=300, cwd=REPO)
+                          timeout=300, cwd=REPO)  # the console script, as a user runs it
     assert done.returncode == 0, done.stderr
     for text in ("hardcode_visible", "none_membership", "sandbox exposure", "nothing flagged"):
         assert text in done.stdout
-    bad = subprocess.run([exe, "audit", "--limit", "0"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    bad = keel_cli("audit", "--limit", "0", cwd=REPO)
     assert bad.returncode == 2 and "--limit must be >= 1" in bad.stderr
-    missing = subprocess.run([exe, "audit", "--tasks", str(tmp_path / "nope.jsonl")], capture_output=True,
-                             text=True, timeout=60, cwd=REPO)
+    missing = keel_cli("audit", "--tasks", str(tmp_path / "nope.jsonl"), cwd=REPO)
     assert missing.returncode == 2 and "nope.jsonl" in missing.stderr

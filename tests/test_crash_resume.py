@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FAST_RUN
+from conftest import FAST_RUN, keel_cli
 
 from keelrl.config import TINY_RUN, LogConfig
 from keelrl.metrics import MetricsLogger
@@ -125,15 +125,14 @@ def _kill_at(process: subprocess.Popen, run_dir: Path, mode: str, delay: float) 
 
 @pytest.mark.parametrize("kills", [3, pytest.param(12, marks=pytest.mark.slow)])
 def test_a_run_killed_at_random_moments_ends_like_an_uninterrupted_one(tiny_model_dir, tmp_path, kills):
-    whole = tmp_path / "whole"
-    done = subprocess.run([KEEL, "train", *RUN, f"model.path={tiny_model_dir}", f"run_dir={whole}"],
-                          capture_output=True, text=True, timeout=900)
+    whole = tmp_path / "whole"  # uninterrupted, in this process (the killed run's lives are processes)
+    done = keel_cli("train", *RUN, f"model.path={tiny_model_dir}", f"run_dir={whole}")
     assert done.returncode == 0, done.stderr[-3000:]
 
     run_dir = tmp_path / "killed"
     rng = random.Random(kills)
     # A resume with nothing to resume is refused, clearly, and touches nothing.
-    refused = subprocess.run([KEEL, "train", "--resume", str(run_dir)], capture_output=True, text=True, timeout=300)
+    refused = keel_cli("train", "--resume", str(run_dir))
     assert refused.returncode == 2 and "nothing to resume" in refused.stderr
     killed = {"write": 0, "random": 0}
     lives = 0
@@ -149,8 +148,7 @@ def test_a_run_killed_at_random_moments_ends_like_an_uninterrupted_one(tiny_mode
             continue
         killed[outcome] += 1
         if not (run_dir / "checkpoint.json").exists():  # killed before its step-0 checkpoint: the
-            resumed = subprocess.run([KEEL, "train", "--resume", str(run_dir)], capture_output=True,
-                                     text=True, timeout=300)  # resume refuses, the next life starts over
+            resumed = keel_cli("train", "--resume", str(run_dir))  # refused: the next life starts over
             assert resumed.returncode == 2 and "nothing to resume" in resumed.stderr, resumed.stderr[-2000:]
         else:
             latest_checkpoint(run_dir)  # the pointer always names a whole checkpoint

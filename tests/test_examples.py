@@ -1,6 +1,7 @@
 """Every script in examples/ runs end to end at its --smoke size (a tiny model, one RL step),
 as a user runs it: `python examples/NAME.py`, in a fresh process. Each test checks what the
-script says it produces, with numbers that agree with the run directories it wrote."""
+script says it produces, with numbers that agree with the run directories it wrote. The three
+longest are marked slow (`python -m pytest -q -m slow tests/test_examples.py`)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ def test_coding_ppo_turn_gae(tiny_model_dir, tmp_path):
     assert (out / "episodes" / "step_0001.jsonl").exists()
 
 
+@pytest.mark.slow  # three runs, one a preset; tests/test_train.py trains each preset
 def test_compare_presets(tiny_model_dir, tmp_path):
     out = tmp_path / "presets"
     stdout = run("compare_presets", out, tiny_model_dir)
@@ -68,6 +70,7 @@ def test_compare_presets(tiny_model_dir, tmp_path):
     assert (out / "presets.png").stat().st_size > 5000
 
 
+@pytest.mark.slow  # three arms; the reward-hacking labs (tests/test_labs.py) run the same verifiers
 def test_reward_hacking(tiny_model_dir, tmp_path):
     out = tmp_path / "hack"
     stdout = run("reward_hacking", out, tiny_model_dir)
@@ -82,6 +85,7 @@ def test_reward_hacking(tiny_model_dir, tmp_path):
     assert "weak: training reward" in stdout
 
 
+@pytest.mark.slow  # a teacher's warm start, then the student's; tests/test_teacher.py runs each mode
 def test_on_policy_distillation(tiny_model_dir, tmp_path):
     out = tmp_path / "distill"
     run("on_policy_distillation", out, tiny_model_dir)

@@ -66,7 +66,15 @@ def golden_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("golden")
 
 
-@pytest.mark.parametrize("name", sorted(VARIANTS))
+SLOW = ("grpo", "prm_distill", "teacher_loss")
+"""Marked slow (`python -m pytest -q -m slow tests/test_golden.py`): 30-45 s each on a 2-core
+machine, and their components have fast tests of their own (tests/test_train.py, test_prm.py,
+test_teacher.py). `ppo_critic`, which runs the most of the trainer (a critic, two epochs of
+minibatches in micro-batches, a reference KL, a curriculum, a warmup), runs in the fast suite."""
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW else name
+                                  for name in sorted(VARIANTS)])
 def test_golden_run_matches_its_recording(name, golden_root):
     recorded = json.loads((GOLDEN_DIR / f"{name}.json").read_text())
     rows = run_variant(name, golden_root)

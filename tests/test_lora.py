@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import copy
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST_RUN, float64_model
+from conftest import FAST_RUN, float64_model, keel_cli
 from safetensors.torch import load_file
 
 from keelrl.config import LORA_TARGETS, TINY_RUN, LoraSettings, load_config
@@ -23,7 +21,6 @@ from keelrl.policy.prefix import chunked_token_logprobs
 from keelrl.runs import latest_checkpoint
 from keelrl.train.trainer import Trainer
 
-KEEL = str(Path(sys.executable).parent / "keel")
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "optim.lr=2e-3", "algo.entropy_coef=0.05"]
 """A LoRA run of the tiny model: rank 4 on every projection, a learning rate that moves it in a few
 steps, and an entropy bonus, which moves it whatever the rewards (the tiny model often earns none)."""
@@ -337,12 +334,12 @@ def test_keel_train_with_lora_then_keel_eval_on_its_checkpoint(tiny_model_dir, t
     run_dir = tmp_path / "run"
     overrides = [*TINY_RUN, *FAST_RUN, f"model.path={tiny_model_dir}", f"run_dir={run_dir}", "train.steps=2",
                  "eval.tasks=2", "eval.every=2", "model.lora.rank=4", "optim.lr=2e-3"]  # TINY_RUN's async engine
-    result = subprocess.run([KEEL, "train", *overrides], capture_output=True, text=True, timeout=600)
+    result = keel_cli("train", *overrides)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [0, 1, 2] and "eval/success" in rows[-1]
     assert lora.is_adapter_dir(latest_checkpoint(run_dir) / "model")
-    result = subprocess.run([KEEL, "eval", str(run_dir)], capture_output=True, text=True, timeout=600)
+    result = keel_cli("eval", str(run_dir))
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout[result.stdout.index("{"):])
     assert 0 <= report["eval/success"] <= 1

@@ -93,6 +93,7 @@ def test_a_killed_worker_is_replaced_and_its_episodes_requeued(cluster, tiny_mod
         engine.close()
 
 
+@pytest.mark.slow  # two more actors to start; the tests above cover training and a worker's replacement
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="pinning to separate cores needs two cores")
 def test_workers_are_pinned_to_their_cores_with_one_torch_thread(cluster, tiny_model_dir):
     """rollout.worker_cores: worker i runs every thread on core worker_cores[i % n], one torch thread."""

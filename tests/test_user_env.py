@@ -4,7 +4,8 @@ examples/units_env is a separate package (`keel-units`, installed beside keelrl 
 the README's test setup) that declares its environments under the `keelrl.envs` entry point
 group: `units` (a strict verifier) and `units_lenient` (a factory returning a spec whose verifier
 accepts anything within 1.0). Nothing here registers them: keelrl finds them by name, or by
-import path, in every command, in a fresh process each time (the real `keel` console script).
+import path, in every command: the first training run in a fresh process (the real `keel`
+console script), the other commands through the script's own function in this process.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import keel_cli
 
 from keelrl.components import check
 from keelrl.config import load_config
@@ -35,10 +38,14 @@ QUICK = ["model.path=tiny", "algo.preset=grpo", "warm_start.demos=24", "warm_sta
          "train.minibatch_size=4", "eval.tasks=6", "perf.learner_precision=float32", "eval.dtype=float32"]
 
 
-def keel(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+def keel_process(*args: str) -> subprocess.CompletedProcess:
     exe = shutil.which("keel", path=str(Path(sys.executable).parent))
     assert exe, "the keel console script is not installed next to this interpreter"
-    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=300, cwd=cwd)
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=300, cwd=REPO)
+
+
+def keel(*args: str) -> subprocess.CompletedProcess:
+    return keel_cli(*args, cwd=REPO)
 
 
 def test_the_entry_points_and_the_import_path_name_the_same_environment():
@@ -90,7 +97,7 @@ def test_every_keel_command_takes_the_users_environment(tmp_path):
     assert config.returncode == 0, config.stderr
     assert "name: units" in config.stdout and "max_turns: 3" in config.stdout
 
-    train = keel("train", "env.name=units", *QUICK, "train.steps=1", f"run_dir={run}")
+    train = keel_process("train", "env.name=units", *QUICK, "train.steps=1", f"run_dir={run}")
     assert train.returncode == 0, train.stderr
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 1 and summary["heldout"]["final"]["tasks"] == 6

@@ -36,6 +36,7 @@ sandbox is for.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import random
@@ -115,16 +116,26 @@ def generate_tasks(seed: int = 0, count: int | None = None, kinds: Sequence[str]
     if count is not None and count < 0:
         raise ValueError(f"count must be >= 0, got {count}")
     kinds = _checked_kinds(kinds)
+    with_fixture = retry_count_task().kind in kinds
+    per_kind = (TASKS_PER_KIND if count is None
+                else max(TASKS_PER_KIND, math.ceil((count - with_fixture) / len(kinds))))
+    tasks = list(_generated(seed, per_kind, kinds))
+    return tasks if count is None else tasks[:count]
+
+
+@functools.lru_cache(maxsize=8)
+def _generated(seed: int, per_kind: int, kinds: tuple[str, ...]) -> tuple[Task, ...]:
+    """`generate_tasks`' tasks, made once a process for each (seed, per_kind, kinds): a run builds
+    several hundred (about half a second), and every run of a process (the labs' arms, a
+    notebook's runs) draws the same ones. Tasks are frozen dataclasses whose file dicts nothing in
+    keelrl writes to, so the runs share them."""
     fixture = retry_count_task()
     fixtures = [fixture] if fixture.kind in kinds else []
-    per_kind = (TASKS_PER_KIND if count is None
-                else max(TASKS_PER_KIND, math.ceil((count - len(fixtures)) / len(kinds))))
     # Sources are deduplicated across kinds in `kinds` order, so a kind's tasks never depend on
     # the kinds after it.
     seen = {fixture.files[fixture.entry_file]}
     by_kind = [_generate_kind(kind, seed, per_kind, seen) for kind in kinds]
-    tasks = fixtures + [kind_tasks[index] for index in range(per_kind) for kind_tasks in by_kind]
-    return tasks if count is None else tasks[:count]
+    return tuple(fixtures + [kind_tasks[index] for index in range(per_kind) for kind_tasks in by_kind])
 
 
 def bundled_tasks(split: str | None = None, seed: int = 0, kinds: Sequence[str] = KINDS) -> list[Task]:
