@@ -96,11 +96,14 @@ def action_runs(trajectory) -> list[list[int]]:
     return [runs[turn] for turn in sorted(runs)]
 
 
-def keel_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+REPO = Path(__file__).resolve().parents[1]
+
+
+def keel_cli(*args: str) -> subprocess.CompletedProcess:
     """`keel ARGS` through `keelrl.cli.main`, the console script's own function, in this test's
-    process: what `subprocess.run([keel, *args], capture_output=True, text=True)` returns (the
-    exit status, stdout, stderr) without a new interpreter importing torch and transformers
-    again, seconds a call. An exception a command lets out fails the test with its traceback.
+    process and from the checkout's root (REPO): what `subprocess.run([keel, *args], cwd=REPO,
+    capture_output=True, text=True)` returns (the exit status, stdout, stderr), without a new
+    interpreter importing torch and transformers again, seconds a call. An exception a command lets out fails the test with its traceback.
     What a command may change for the whole process is put back: the working directory, the
     environment, the SIGTERM handler and torch's thread count. Tests of the console script
     itself, of a process killed or served, start `keel` as a process."""
@@ -109,8 +112,7 @@ def keel_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
     out, err = io.StringIO(), io.StringIO()
     before = os.getcwd(), dict(os.environ), signal.getsignal(signal.SIGTERM), torch.get_num_threads()
     try:
-        if cwd is not None:
-            os.chdir(cwd)
+        os.chdir(REPO)
         with redirect_stdout(out), redirect_stderr(err):
             try:
                 code = main(list(args))

@@ -466,7 +466,7 @@ def test_planted_secret_restores_the_environment(monkeypatch):
 # -- the command -----------------------------------------------------------------------------------
 
 def keel_audit(*args: str) -> tuple[int, dict]:
-    done = keel_cli("audit", "--format", "json", *args, cwd=REPO)
+    done = keel_cli("audit", "--format", "json", *args)
     assert done.returncode in (0, 1), done.stderr
     return done.returncode, json.loads(done.stdout)
 
@@ -518,7 +518,7 @@ def test_keel_audit_table_and_bad_arguments(tmp_path):
     assert done.returncode == 0, done.stderr
     for text in ("hardcode_visible", "none_membership", "sandbox exposure", "nothing flagged"):
         assert text in done.stdout
-    bad = keel_cli("audit", "--limit", "0", cwd=REPO)
+    bad = keel_cli("audit", "--limit", "0")
     assert bad.returncode == 2 and "--limit must be >= 1" in bad.stderr
-    missing = keel_cli("audit", "--tasks", str(tmp_path / "nope.jsonl"), cwd=REPO)
+    missing = keel_cli("audit", "--tasks", str(tmp_path / "nope.jsonl"))
     assert missing.returncode == 2 and "nope.jsonl" in missing.stderr

@@ -42,7 +42,7 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict:
             "figure_after": _stamp(FIGURE)}
 
 
-@pytest.mark.slow  # the module\'s one `bench.bench_scaling --smoke` run: a minute of a 2-core machine
+@pytest.mark.slow  # the module's one `bench.bench_scaling --smoke` run: a minute of a 2-core machine
 def test_smoke_section_is_a_smoke_scaling_section_without_ratios(smoke):
     section = smoke["section"]
     assert section["name"] == "scaling" and section["smoke"] is True
@@ -51,7 +51,7 @@ def test_smoke_section_is_a_smoke_scaling_section_without_ratios(smoke):
     assert smoke["data"]["setup"]["model"] == "tiny" and smoke["data"]["setup"]["reps"] == 2
 
 
-@pytest.mark.slow  # the module\'s one `bench.bench_scaling --smoke` run: a minute of a 2-core machine
+@pytest.mark.slow  # the module's one `bench.bench_scaling --smoke` run: a minute of a 2-core machine
 def test_the_trainer_ran_grpo_without_kl_reference_or_proximal_pass(smoke):
     trainer = smoke["data"]["trainer"]
     assert trainer["algo_preset"] == "grpo" and trainer["kl_coef"] == 0.0 and trainer["engine"] == "sync"
@@ -62,7 +62,7 @@ def test_the_trainer_ran_grpo_without_kl_reference_or_proximal_pass(smoke):
         assert point["trainer"]["minibatch_size"] == point["rows"] == 2 * point["group"]
 
 
-@pytest.mark.slow  # the module\'s one `bench.bench_scaling --smoke` run: a minute of a 2-core machine
+@pytest.mark.slow  # the module's one `bench.bench_scaling --smoke` run: a minute of a 2-core machine
 def test_three_sweeps_with_their_x_values_and_the_others_at_base(smoke):
     data = smoke["data"]
     assert set(data["sweeps"]) == set(SMOKE_X)
@@ -81,7 +81,7 @@ def test_three_sweeps_with_their_x_values_and_the_others_at_base(smoke):
     assert len(data["points"]) == 4
 
 
-@pytest.mark.slow  # the module\'s one `bench.bench_scaling --smoke` run: a minute of a 2-core machine
+@pytest.mark.slow  # the module's one `bench.bench_scaling --smoke` run: a minute of a 2-core machine
 def test_every_step_ran_exactly_rows_x_turns_x_length_action_tokens(smoke):
     data = smoke["data"]
     prompts, observation = data["prompt_tokens"], data["observation_tokens"]
@@ -103,7 +103,7 @@ def test_every_step_ran_exactly_rows_x_turns_x_length_action_tokens(smoke):
             assert m["micro_batches"] == 1  # at most 226 learner tokens, under the 2048 budget
 
 
-@pytest.mark.slow  # the module\'s one `bench.bench_scaling --smoke` run: a minute of a 2-core machine
+@pytest.mark.slow  # the module's one `bench.bench_scaling --smoke` run: a minute of a 2-core machine
 def test_turns_re_prefill_the_history_and_the_learner_runs_each_prompt_once(smoke):
     data = smoke["data"]
     observation = data["observation_tokens"]
@@ -120,7 +120,7 @@ def test_turns_re_prefill_the_history_and_the_learner_runs_each_prompt_once(smok
     assert one_turn["turns"] == 1 and one_turn["counts"]["prefill_tokens"] == 2 * 48  # one turn: the prompts alone
 
 
-@pytest.mark.slow  # the module\'s one `bench.bench_scaling --smoke` run: a minute of a 2-core machine
+@pytest.mark.slow  # the module's one `bench.bench_scaling --smoke` run: a minute of a 2-core machine
 def test_png_is_written_linked_and_the_docs_figure_left_alone(smoke):
     png = Path(smoke["data"]["png"])
     assert png.parent == smoke["out"] and png.name == "scaling.png"
@@ -132,7 +132,7 @@ def test_png_is_written_linked_and_the_docs_figure_left_alone(smoke):
     assert smoke["figure_after"] == smoke["figure_before"]  # ...and never writes docs/figures
 
 
-@pytest.mark.slow  # the module\'s one `bench.bench_scaling --smoke` run: a minute of a 2-core machine
+@pytest.mark.slow  # the module's one `bench.bench_scaling --smoke` run: a minute of a 2-core machine
 def test_reported_exponents_and_verdicts_follow_the_measured_medians(smoke):
     data, markdown = smoke["data"], smoke["section"]["markdown"]
     for name, sweep in data["sweeps"].items():

@@ -24,10 +24,6 @@ def keel(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120, cwd=REPO)
 
 
-def keel_here(*args: str) -> subprocess.CompletedProcess:
-    return keel_cli(*args, cwd=REPO)
-
-
 def test_keel_algos_prints_the_table_for_every_preset():
     result = keel("algos")
     assert result.returncode == 0, result.stderr
@@ -58,10 +54,10 @@ def test_keel_algos_single_preset_and_unknown_preset(capsys):
 
 
 def test_keel_config_resolves_and_rejects():
-    ok = keel_here("config", "configs/dapo.yaml", "algo.entropy_coef=0.01")
+    ok = keel_cli("config", "configs/dapo.yaml", "algo.entropy_coef=0.01")
     assert ok.returncode == 0, ok.stderr
     assert "eps_high: 0.28" in ok.stdout and "entropy_coef: 0.01" in ok.stdout
-    bad = keel_here("config", "algo.clip=ppo2")
+    bad = keel_cli("config", "algo.clip=ppo2")
     assert bad.returncode == 2
     assert "algo.clip" in bad.stderr and "dual_clip" in bad.stderr
 
@@ -94,22 +90,22 @@ def test_config_file_path_containing_equals_is_a_file_not_an_override(tmp_path, 
 
 def test_keel_tasks_export_and_validate(tmp_path):
     out = tmp_path / "heldout.jsonl"
-    exported = keel_here("tasks", "export", "--split", "heldout", "--out", str(out))
+    exported = keel_cli("tasks", "export", "--split", "heldout", "--out", str(out))
     assert exported.returncode == 0, exported.stderr
     lines = out.read_text().splitlines()
     assert len(lines) >= 100 and f"wrote {len(lines)} tasks" in exported.stderr
     sample = tmp_path / "sample.jsonl"
     sample.write_text("\n".join(lines[:3]) + "\n")
-    ok = keel_here("tasks", "validate", str(sample))
+    ok = keel_cli("tasks", "validate", str(sample))
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "3 tasks, 0 problems" in ok.stderr
     broken = json.loads(lines[0])
     broken["reference_fix"] = {broken["entry_file"]: broken["files"][broken["entry_file"]]}  # "fix" = the bug
     (tmp_path / "broken.jsonl").write_text(json.dumps(broken) + "\n")
-    bad = keel_here("tasks", "validate", str(tmp_path / "broken.jsonl"))
+    bad = keel_cli("tasks", "validate", str(tmp_path / "broken.jsonl"))
     assert bad.returncode == 1 and "the reference fix fails" in bad.stdout
     (tmp_path / "malformed.jsonl").write_text('{"id": "x"}\n')
-    malformed = keel_here("tasks", "validate", str(tmp_path / "malformed.jsonl"))
+    malformed = keel_cli("tasks", "validate", str(tmp_path / "malformed.jsonl"))
     assert malformed.returncode == 2 and "missing fields" in malformed.stderr
 
 
@@ -173,7 +169,7 @@ def test_train_with_a_bad_task_file_says_so_in_one_line_before_loading_a_model(t
 
 
 def test_a_misspelled_model_path_is_one_line_with_a_did_you_mean(tmp_path):
-    result = keel_here("train", "model.path=smollm3", f"run_dir={tmp_path / 'run'}")
+    result = keel_cli("train", "model.path=smollm3", f"run_dir={tmp_path / 'run'}")
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert result.stderr.startswith("keel: config error: model.path:") and "did you mean 'smollm2'" in result.stderr
     assert not (tmp_path / "run").exists()

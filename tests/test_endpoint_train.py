@@ -3,11 +3,10 @@ harness (examples/openai_harness/harness.py, which imports only openai), and the
 of episodes split into several samples (keelrl.train.advantage.episode_advantages).
 
 The `keel train` runs go through the console script's function (conftest.keel_cli) on the tiny
-model, with
-rollout.max_staleness=0: a step's episodes are then handed out only when its batch is asked
-for, so the endpoint's counters logged at a step (endpoint/*) count that step's calls exactly,
-and the episodes written for the step can be checked against them (each call is one turn of
-exactly one written sample). The compacting harness's token-exact accounting is checked on an
+model, with rollout.max_staleness=0: a step's episodes are then handed out only when its batch
+is asked for, so the endpoint's counters logged at a step (endpoint/*) count that step's calls
+exactly, and the episodes written for the step can be checked against them (each call is one
+turn of exactly one written sample). The compacting harness's token-exact accounting is checked on an
 EndpointEngine in this process, where the sessions' records can be read.
 """
 
@@ -40,10 +39,6 @@ HARNESS = REPO / "examples" / "openai_harness" / "harness.py"
 TASKS, GROUP = 2, 2
 """FAST_RUN's rollout.tasks_per_step and rollout.group_size: episodes per step = TASKS * GROUP."""
 assert f"rollout.tasks_per_step={TASKS}" in FAST_RUN and f"rollout.group_size={GROUP}" in FAST_RUN
-
-
-def keel(*args: str) -> subprocess.CompletedProcess:
-    return keel_cli(*args, cwd=REPO)
 
 
 def harness(*flags: str) -> str:
@@ -101,7 +96,7 @@ def check_run(run_dir: Path) -> list[dict]:
 # ---------------------------------------------------------------------- keel train with the example harness
 def test_keel_train_through_the_endpoint_with_the_example_harness(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
-    result = keel("train", *endpoint_run(tiny_model_dir, run_dir,
+    result = keel_cli("train", *endpoint_run(tiny_model_dir, run_dir,
                                          f"rollout.harness={harness('--concurrency', '4')}"))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = check_run(run_dir)
@@ -113,7 +108,7 @@ def test_keel_train_through_the_endpoint_with_the_example_harness(tiny_model_dir
 
 def test_keel_train_with_a_compacting_harness_trains_on_every_sample(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
-    result = keel("train", *endpoint_run(tiny_model_dir, run_dir, "env.max_turns=4",
+    result = keel_cli("train", *endpoint_run(tiny_model_dir, run_dir, "env.max_turns=4",
                                          f"rollout.harness={harness('--concurrency', '4', '--compact', '1')}"))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = check_run(run_dir)
@@ -128,7 +123,7 @@ def test_a_harness_that_exits_with_an_error_fails_the_run_quickly_naming_its_exi
     failing = f"{shlex.quote(sys.executable)} -c 'import sys; print(\"harness says bye\"); sys.exit(3)'"
     started = time.monotonic()
     with pytest.raises(RuntimeError) as failed:  # `keel train` ends on it, its traceback on stderr
-        keel("train", *endpoint_run(tiny_model_dir, tmp_path / "run", f"rollout.harness={failing}",
+        keel_cli("train", *endpoint_run(tiny_model_dir, tmp_path / "run", f"rollout.harness={failing}",
                                     "rollout.harness_timeout_s=600"))
     elapsed = time.monotonic() - started
     assert "exited with code 3" in str(failed.value), str(failed.value)[-3000:]
@@ -137,15 +132,15 @@ def test_a_harness_that_exits_with_an_error_fails_the_run_quickly_naming_its_exi
 
 
 def test_the_endpoint_engine_refuses_a_tool_format_without_json_calls(tmp_path):
-    refused = keel("config", "rollout.engine=endpoint", "env.tool_format=call")
+    refused = keel_cli("config", "rollout.engine=endpoint", "env.tool_format=call")
     assert refused.returncode == 2 and "env.tool_format" in refused.stderr, refused.stderr
     assert "hermes" in refused.stderr and "json" in refused.stderr
-    train = keel("train", "rollout.engine=endpoint", "env.tool_format=call", f"run_dir={tmp_path / 'run'}")
+    train = keel_cli("train", "rollout.engine=endpoint", "env.tool_format=call", f"run_dir={tmp_path / 'run'}")
     assert train.returncode == 2 and "env.tool_format" in train.stderr, train.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
-    unsplittable = keel("config", "rollout.engine=endpoint", "env.tool_format=hermes", "rollout.harness=python 'oops")
+    unsplittable = keel_cli("config", "rollout.engine=endpoint", "env.tool_format=hermes", "rollout.harness=python 'oops")
     assert unsplittable.returncode == 2 and "rollout.harness" in unsplittable.stderr, unsplittable.stderr
-    accepted = keel("config", "rollout.engine=endpoint", "env.tool_format=json")
+    accepted = keel_cli("config", "rollout.engine=endpoint", "env.tool_format=json")
     assert accepted.returncode == 0, accepted.stderr
 
 

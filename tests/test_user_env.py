@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import keel_cli
 
 from keelrl.components import check
@@ -44,10 +43,6 @@ def keel_process(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([exe, *args], capture_output=True, text=True, timeout=300, cwd=REPO)
 
 
-def keel(*args: str) -> subprocess.CompletedProcess:
-    return keel_cli(*args, cwd=REPO)
-
-
 def test_the_entry_points_and_the_import_path_name_the_same_environment():
     assert "units" not in ENVIRONMENTS  # found through the entry point, not registered
     assert env_spec("units") is keel_units.UNITS
@@ -64,7 +59,7 @@ def test_bad_names_are_one_line_errors_naming_env_name():
         with pytest.raises(ConfigError) as info:
             check(load_config(overrides=[f"env.name={name}"]))
         assert info.value.field == "env.name" and expected in str(info.value), name
-    result = keel("train", "env.name=unitz", "run_dir=/nonexistent")
+    result = keel_cli("train", "env.name=unitz", "run_dir=/nonexistent")
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "units" in result.stderr  # the valid names include the entry point's
 
@@ -93,7 +88,7 @@ def test_a_setting_the_environment_does_not_read_is_refused(setting):
 
 def test_every_keel_command_takes_the_users_environment(tmp_path):
     run = tmp_path / "run"
-    config = keel("config", "env.name=units", *QUICK)
+    config = keel_cli("config", "env.name=units", *QUICK)
     assert config.returncode == 0, config.stderr
     assert "name: units" in config.stdout and "max_turns: 3" in config.stdout
 
@@ -106,25 +101,25 @@ def test_every_keel_command_takes_the_users_environment(tmp_path):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["warm_start/demos"] == 24  # the user's teacher demonstrated every task
 
-    resumed = keel("train", "--resume", str(run), "train.steps=2")
+    resumed = keel_cli("train", "--resume", str(run), "train.steps=2")
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads((run / "summary.json").read_text())["steps"] == 2
 
-    evaluated = keel("eval", str(run), "eval.tasks=4")
+    evaluated = keel_cli("eval", str(run), "eval.tasks=4")
     assert evaluated.returncode == 0, evaluated.stderr
     assert json.loads(evaluated.stdout)["eval/tasks"] == 4
 
-    again = keel("config", str(run / "config.yaml"))
+    again = keel_cli("config", str(run / "config.yaml"))
     assert again.returncode == 0 and "name: units" in again.stdout, again.stderr
 
-    view = keel("view", str(run))
+    view = keel_cli("view", str(run))
     assert view.returncode == 0, view.stderr
     assert "Convert " in (run / "view.html").read_text()
 
-    audit = keel("audit", "--env", "units", "--limit", "20", "--format", "json")
+    audit = keel_cli("audit", "--env", "units", "--limit", "20", "--format", "json")
     assert audit.returncode == 0, audit.stderr  # the strict verifier has no hole the probes find
     assert json.loads(audit.stdout)["tasks"] == 20
-    hole = keel("audit", "--env", "units_lenient", "--limit", "20")
+    hole = keel_cli("audit", "--env", "units_lenient", "--limit", "20")
     assert hole.returncode == 1 and "constant" in hole.stdout, hole.stdout + hole.stderr
 
 
