@@ -574,6 +574,11 @@ class PRMConfig:
     enabled: bool = False
     """Label each turn that can change the code by hidden-check progress (one extra grading per
     such turn, and one per task before its first turn), and train the scorer every step."""
+    scorer: bool = True
+    """Train the step scorer on the labels (it reads the hidden states of the learner's pre-update
+    pass). False keeps the labels alone, for the trajectory-B measurement
+    (`credit/good_turn_positive_frac`): no scorer, so a step that makes one update can take its
+    proximal log-probs from that update instead of a separate pass."""
     weight: float = 0.0
     """Surrogate value: add weight x (turn score - its group's mean turn score) to each labelled
     turn's advantage; 0 trains and measures the scorer without using it."""
@@ -589,6 +594,8 @@ class PRMConfig:
             raise ConfigError("weight", f"must be a finite number >= 0, got {self.weight!r}")
         if self.weight > 0 and not self.enabled:
             raise ConfigError("weight", "prm.weight needs prm.enabled=true (the scorer and its labels)")
+        if self.weight > 0 and not self.scorer:
+            raise ConfigError("scorer", "prm.weight needs the scorer (prm.scorer=true): its scores are the surrogate value")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ConfigError("lr", f"must be a finite number > 0, got {self.lr!r}")
         if self.fit_steps < 1:

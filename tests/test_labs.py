@@ -174,6 +174,8 @@ def test_credit_lab_runs_its_three_variants_on_the_quick_budget_and_measures_tra
         rows = [json.loads(line) for line in (tmp_path / variant / "metrics.jsonl").read_text().splitlines()]
         assert sum(1 for row in rows if "credit/good_turns" in row) >= 1  # a step with a labelled turn measured it
         assert result.numbers[variant]["good_turns"] == good_turn_share(rows)[0]
+        # only grpo-prm trains the scorer; the others keep the labels alone (prm.scorer=false)
+        assert any("prm/turns" in row for row in rows) == (variant == "grpo-prm")
     student = json.loads((tmp_path / "warm" / "student.json").read_text())["model"]
     assert (Path(student) / "config.json").exists() and (tmp_path / "credit.png").stat().st_size > 1000
     assert set(result.effects) == {"ppo-turn-gae - grpo", "grpo-prm - grpo"}

@@ -200,6 +200,31 @@ def test_bad_prm_settings_are_named():
         load_config(overrides=["prm.fit_steps=0"])
     with pytest.raises(ConfigError, match="lr"):
         load_config(overrides=["prm.lr=-1"])
+    with pytest.raises(ConfigError, match="scorer"):
+        load_config(overrides=["prm.enabled=true", "prm.scorer=false", "prm.weight=0.5"])
+
+
+def test_labels_without_the_scorer_keep_trajectory_b_and_drop_the_separate_pass(tiny_model_dir, tmp_path):
+    from keelrl.inference import SamplingParams
+    from keelrl.rollout.agent_loop import model_actor
+    from keelrl.train.trainer import Trainer
+
+    base = [*TINY_RUN, f"model.path={tiny_model_dir}", "rollout.engine=sync", "eval.tasks=3", "warm_start.demos=4",
+            "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=16", "env.max_turns=2",
+            "train.steps=1", "train.epochs=1", "train.minibatch_size=64", "prm.enabled=true"]
+    labels_only = Trainer(load_config(overrides=[*base, "prm.scorer=false", f"run_dir={tmp_path / 'labels'}"]))
+    labels_only.run()
+    rows = [json.loads(line) for line in (tmp_path / "labels" / "metrics.jsonl").read_text().splitlines()]
+    step = next(row for row in rows if "train/success" in row)
+    assert labels_only.prm is None and "credit/good_turns" in step  # the turns are still labelled and measured
+    assert not any(key.startswith(("prm/", "eval/prm_")) for row in rows for key in row)
+    trajectories = run_episodes(labels_only._env(training=True), labels_only.train_tasks[:2], labels_only.tokenizer,
+                                model_actor(labels_only.model, labels_only.tokenizer, SamplingParams(1.0, 1.0, 16)),
+                                labels_only._limits(), seed=1, group_ids=[0, 0])
+    batch = collate(trajectories, labels_only.pad_id)
+    assert batch.step_labels is not None and labels_only.advantages.prox_from_update(batch)
+    with_scorer = Trainer(load_config(overrides=[*base, f"run_dir={tmp_path / 'scorer'}"]))
+    assert with_scorer.prm is not None and not with_scorer.advantages.prox_from_update(batch)  # it needs the pass
 
 
 def test_a_run_trains_the_scorer_uses_it_and_resumes_it(tiny_model_dir, tmp_path):

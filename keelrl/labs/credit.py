@@ -17,13 +17,14 @@ CREDIT = [*CODING_LAB, "prm.enabled=true"]
 """The SmolLM2 coding labs' budget (`CODING_LAB`: 3 RL steps of 4 tasks x 4 attempts per variant,
 the same sampled rollouts' count for every variant, 32 held-out tasks at the start, shared, and at
 each variant's end). Every variant labels its turns by hidden-check progress (`prm.enabled`) for
-the trajectory-B measurement; only grpo-prm adds the scorer to its advantages."""
+the trajectory-B measurement; only grpo-prm trains the scorer (the others set `prm.scorer=false`,
+so a one-update budget drops their separate proximal pass) and adds it to its advantages."""
 
 CREDIT_QUICK = [*CODING_QUICK, "eval.every=1"]
 """--quick: the tiny model, for a smoke run of the machinery."""
 
-VARIANTS = {"grpo": ["algo.preset=grpo"],
-            "ppo-turn-gae": ["algo.preset=ppo", "algo.level=turn", "algo.lam=0.9", "model.critic=head"],
+VARIANTS = {"grpo": ["algo.preset=grpo", "prm.scorer=false"],
+            "ppo-turn-gae": ["algo.preset=ppo", "algo.level=turn", "algo.lam=0.9", "model.critic=head", "prm.scorer=false"],
             "grpo-prm": ["algo.preset=grpo", "prm.weight=1.0"]}
 """The three credit assignments, each on top of the lab's settings."""
 

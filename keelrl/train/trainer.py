@@ -180,7 +180,7 @@ class Trainer:
                                    device=self.device, tasks=self.train_tasks, temperature=cfg.rollout.temperature,
                                    max_tokens=cfg.perf.micro_batch_tokens)
         self.prm: ProcessRewardModel | None = None
-        if cfg.prm.enabled:
+        if cfg.prm.enabled and cfg.prm.scorer:  # prm.scorer=false: the rollouts' labels alone
             self.prm = ProcessRewardModel(self.model.config.hidden_size, self.device, lr=cfg.prm.lr,
                                           fit_steps=cfg.prm.fit_steps, buffer=cfg.prm.buffer)
         self.curriculum: Curriculum | None = None
