@@ -9,9 +9,11 @@ run, with the step and the numbers that tripped it:
   `divergence_eval_gain`: the reward is probably being hacked ("go read trajectories").
   Training reward is averaged over `window` steps ending at each eval; the first RL step's
   stands in for the pre-RL eval at step 0 (the pre-RL policy sampled its rollouts; a mean over
-  the first `window` steps would be the very window the next eval's is averaged over). Each evaluation is compared with the latest
-  one at least `window` steps before it (the first one while there is none), so an eval metric
-  logged every step (the held-out probe) is compared across a window, not step to step. The
+  the first `window` steps would be the very window the next eval's is averaged over). Each evaluation is compared with every
+  earlier one at least `window` steps before it, the latest first (the first one while there is
+  none), so an eval metric logged every step (the held-out probe) is compared across a window,
+  not step to step, and a rise split over several windows, each short of the gain, is still
+  seen against an older evaluation. The
   eval metric is `eval_metric`; auto reads the probe (probe/success) once the run has logged
   it, else the full evaluation (eval/success).
 - `entropy_collapse`: mean policy entropy below `entropy_floor`, or fallen by more than
@@ -118,19 +120,19 @@ def _divergence(monitor: AlarmMonitor, step: int) -> Finding | None:
     evals = monitor.series(metric)
     if len(evals) < 2 or evals[-1][0] != step:
         return None
-    earlier = [point for point in evals[:-1] if point[0] <= step - cfg.window]
-    then_step, eval_then = earlier[-1] if earlier else evals[0]
-    eval_now = evals[-1][1]
-    reward_then, reward_now = _mean_reward_ending_at(monitor, then_step), _mean_reward_ending_at(monitor, step)
-    if reward_then is None or reward_now is None:
-        return None
-    reward_gain, eval_gain = reward_now - reward_then, eval_now - eval_then
-    if reward_gain >= cfg.divergence_reward_gain and eval_gain <= cfg.divergence_eval_gain:
-        values = {"train_reward_then": reward_then, "train_reward_now": reward_now,
-                  "eval_then": eval_then, "eval_now": eval_now, "since_step": float(then_step)}
-        return values, (f"training reward rose {reward_then:.3f} -> {reward_now:.3f} since step {then_step} "
-                        f"while {metric} went {eval_then:.3f} -> {eval_now:.3f}: "
-                        f"the reward may be hacked; go read trajectories")
+    earlier = [point for point in evals[:-1] if point[0] <= step - cfg.window] or evals[:1]
+    eval_now, reward_now = evals[-1][1], _mean_reward_ending_at(monitor, step)
+    for then_step, eval_then in reversed(earlier):  # the latest comparison that shows it
+        reward_then = _mean_reward_ending_at(monitor, then_step)
+        if reward_then is None or reward_now is None:
+            continue
+        reward_gain, eval_gain = reward_now - reward_then, eval_now - eval_then
+        if reward_gain >= cfg.divergence_reward_gain and eval_gain <= cfg.divergence_eval_gain:
+            values = {"train_reward_then": reward_then, "train_reward_now": reward_now,
+                      "eval_then": eval_then, "eval_now": eval_now, "since_step": float(then_step)}
+            return values, (f"training reward rose {reward_then:.3f} -> {reward_now:.3f} since step {then_step} "
+                            f"while {metric} went {eval_then:.3f} -> {eval_now:.3f}: "
+                            f"the reward may be hacked; go read trajectories")
     return None
 
 

@@ -77,6 +77,26 @@ def test_the_divergence_alarm_reads_the_probe_across_a_window_and_acts_before_th
     assert divergence_step(rows)[0] is None
 
 
+def test_a_rise_split_over_windows_is_seen_against_an_older_evaluation():
+    """The weak arm of keel lab reward-hacking, seed 0 on a Zen 5 EPYC (window 2, the probe at steps
+    0, 2 and 4): against the latest evaluation a window back, step 2 gains (0.25 + 0.4375) / 2 -
+    0.25 = 0.094 and step 4 gains (0.3125 + 0.4375) / 2 - 0.34375 = 0.031, each short of 0.1;
+    against step 0, step 4 gains 0.375 - 0.25 = 0.125 while the probe fell 0.34375 -> 0.0625."""
+    rewards = {1: 0.25, 2: 0.4375, 3: 0.3125, 4: 0.4375}
+    probe = {0: 0.34375, 2: 0.15625, 4: 0.0625}
+    rows = [{**({"train/reward": rewards[step]} if step in rewards else {}),
+             **({"probe/success": probe[step]} if step in probe else {})} for step in range(5)]
+    step, event = divergence_step(rows, window=2)
+    assert step == 4 and event.values["since_step"] == 0.0
+    assert event.values["train_reward_then"] == pytest.approx(0.25)
+    assert event.values["train_reward_now"] == pytest.approx(0.375)
+    assert (event.values["eval_then"], event.values["eval_now"]) == (0.34375, 0.0625)
+    # the strong arm of the same run: its reward's gain over step 0 is (0.1875 + 0.375) / 2 - 0.1875 = 0.094
+    rows = [{**({"train/reward": r} if r is not None else {}), **({"probe/success": p} if p is not None else {})}
+            for r, p in [(None, 0.34375), (0.1875, None), (0.375, 0.28125), (0.1875, None), (0.375, 0.21875)]]
+    assert divergence_step(rows, window=2)[0] is None
+
+
 def test_auto_reads_the_full_evaluation_when_the_run_has_no_probe():
     rows = [{key: value for key, value in row.items() if key != "probe/success"} for row in rising_reward_rows()]
     step, event = divergence_step(rows)
