@@ -221,6 +221,10 @@ def test_distill_lab_runs_its_three_variants_on_the_quick_budget(tmp_path):
     assert result.numbers["grpo"]["kl_last"] != result.numbers["grpo"]["kl_last"]  # no teacher: NaN
     summary = (tmp_path / "summary.md").read_text()
     assert "| on-policy |" in summary and ("Helped, more than" in summary or "No variant helped" in summary)
+    start_malformed = result.numbers["start_malformed"]  # the shared start's malformed share, read from grpo's run
+    assert start_malformed == next(row for row in (json.loads(line) for line in (
+        tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()) if row["step"] == 0)["eval/action_error_frac"]
+    assert ("does not write the tool format" in summary) == (start_malformed >= 0.5)
     assert result.numbers["grpo"]["versus_grpo"] == 0 and all(
         -1 <= result.numbers[variant]["versus_grpo"] <= 1 for variant in ("on-policy", "self"))
     assert (tmp_path / "distill.png").stat().st_size > 1000

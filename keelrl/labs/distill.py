@@ -57,6 +57,9 @@ DISTILL_QUICK = ["model.path=tiny", "env.show_file=false", "env.max_turns=2", "r
 STUDENT_DEMOS = 48
 """The student's warm start: 12 updates on 48 fixes; of 16, 32 and 48 fixes, the fewest after
 which SmolLM2 wrote the tool format (docs/measurements.md#the-distill-labs-student-and-learning-rate)."""
+FORMAT_LIMIT = 0.5
+"""A start whose held-out actions are malformed this often (eval/action_error_frac) does not write
+the tool format: the summary says its variants' changes cannot be read as distillation's."""
 TEACHER_DEMOS = 128
 """The teacher made when none is given: 32 updates on 128 fixes, the default run's warm start."""
 
@@ -117,7 +120,8 @@ def distill_summary(out: Path, labels: Sequence[str], teacher: str, student: str
                           [("eval/success", "held-out strict success"), ("train/action_error_frac", "malformed actions"),
                            ("distill/kl", "reverse KL to the teacher, per token")],
                           "Learning from a teacher: GRPO vs on-policy distillation vs self-distillation")
-    numbers: dict[str, Any] = {"teacher": teacher, "student": student, "steps": steps}
+    start_malformed = start_row.get("eval/action_error_frac")
+    numbers: dict[str, Any] = {"teacher": teacher, "student": student, "steps": steps, "start_malformed": start_malformed}
     rows = []
     for label, rows_of in runs.items():
         change, change_se = paired_difference(start_report["task_success"], finals[label])  # final - start
@@ -145,6 +149,10 @@ def distill_summary(out: Path, labels: Sequence[str], teacher: str, student: str
                f"No variant helped: none ends more than 2 paired standard errors above {reference} at this budget."]
     if hurt:
         verdict.append(f"Hurt, more than 2 paired standard errors below {reference}: {', '.join(hurt)}.")
+    if isinstance(start_malformed, (int, float)) and start_malformed >= FORMAT_LIMIT:
+        verdict.append(f"The student does not write the tool format: {start_malformed:.0%} of its held-out actions "
+                       "before RL were malformed, so no variant's change here says what distillation does; warm-start "
+                       "it on more fixes (STUDENT_DEMOS) or give a student that writes the format (model.path=).")
     summary_md = "\n".join([
         "# Lab: learning from a teacher", "",
         f"The same student (`{student}`), seed and tasks; {steps} RL steps of GRPO each, plain, with on-policy "
