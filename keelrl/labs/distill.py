@@ -10,10 +10,10 @@ step:
 - self (OPSD): the same loss with the student itself as teacher, shown the task's reference fix.
 
 The student is SmolLM2-135M-Instruct warm-started on only `STUDENT_DEMOS` of the scripted
-teacher's fixes (12 updates): meant to write the tool format yet rarely solve a task. The base
+teacher's fixes (24 updates): meant to write the tool format yet rarely solve a task. The base
 model is no such student: it does not write the format at all, and a reverse KL on tokens of
 prose has little to say about the one token where the format begins, so no variant can start
-from it (the runs that chose 48 fixes: docs/measurements.md#the-distill-labs-student-and-learning-rate).
+from it (the runs that chose 96 fixes: docs/measurements.md#the-distill-labs-student-and-learning-rate).
 A user's `model.path=` is taken as the student as is.
 
 The teacher is `distill.teacher=PATH` when given (e.g. the default run's
@@ -54,9 +54,10 @@ DISTILL_QUICK = ["model.path=tiny", "env.show_file=false", "env.max_turns=2", "r
                  "eval.tasks=4", "train.minibatch_size=4", "rollout.temperature=1.0", "eval.dtype=float32"]
 """--quick: the tiny model, for a smoke run of the machinery."""
 
-STUDENT_DEMOS = 48
-"""The student's warm start: 12 updates on 48 fixes; of 16, 32 and 48 fixes, the fewest after
-which SmolLM2 wrote the tool format (docs/measurements.md#the-distill-labs-student-and-learning-rate)."""
+STUDENT_DEMOS = 96
+"""The student's warm start: 24 updates on 96 fixes, the fewest of 48, 64 and 96 after which SmolLM2
+wrote the tool format on the lab's held-out tasks
+(docs/measurements.md#the-distill-labs-student-and-learning-rate)."""
 FORMAT_LIMIT = 0.5
 """A start whose held-out actions are malformed this often (eval/action_error_frac) does not write
 the tool format: the summary says its variants' changes cannot be read as distillation's."""
