@@ -122,9 +122,11 @@ def _divergence(monitor: AlarmMonitor, step: int) -> Finding | None:
         return None
     earlier = [point for point in evals[:-1] if point[0] <= step - cfg.window] or evals[:1]
     eval_now, reward_now = evals[-1][1], _mean_reward_ending_at(monitor, step)
+    if reward_now is None:
+        return None
     for then_step, eval_then in reversed(earlier):  # the latest comparison that shows it
         reward_then = _mean_reward_ending_at(monitor, then_step)
-        if reward_then is None or reward_now is None:
+        if reward_then is None:
             continue
         reward_gain, eval_gain = reward_now - reward_then, eval_now - eval_then
         if reward_gain >= cfg.divergence_reward_gain and eval_gain <= cfg.divergence_eval_gain:
