@@ -291,17 +291,21 @@ def test_smollm2_labs_run_on_the_tiny_model_with_quick(tmp_path, name):
     assert "model.path=smollm2" in lab_settings(name) and "model.path=tiny" in lab_settings(name, quick=True)
     result = run_lab(name, tmp_path, quick=True)
     if name in ("entropy", "curriculum"):
-        arms = {"entropy": ("no-bonus", "bonus"), "curriculum": ("uniform", "curriculum")}[name]
+        arms = {"entropy": ("cold", "bonus", "warm"), "curriculum": ("uniform", "curriculum")}[name]
         assert set(result.numbers) - {"lab_seconds"} == set(arms)
         assert result.numbers[arms[0]]["eval_before"] == result.numbers[arms[1]]["eval_before"]  # one shared start
         second = [json.loads(line) for line in (tmp_path / arms[1] / "metrics.jsonl").read_text().splitlines()]
         assert not any(row["step"] == 0 and "eval/success" in row for row in second)
         assert (tmp_path / f"{name}.png").stat().st_size > 1000 and f"| {arms[1]} |" in result.summary
-        assert len(result.effects) == 1
+        assert len(result.effects) == len(arms) - 1
         if name == "entropy":
-            configs = [(tmp_path / arm / "config.yaml").read_text() for arm in arms]
-            assert "entropy_coef: 0.0\n" in configs[0] and "entropy_coef: 0.01\n" in configs[1]
-            assert all(math.isfinite(result.numbers[arm]["entropy_first"]) for arm in arms)
+            numbers = result.numbers
+            assert [(numbers[arm]["temperature"], numbers[arm]["entropy_coef"]) for arm in arms] == [
+                (0.3, 0.0), (0.3, 0.05), (1.0, 0.0)]  # warm keeps the quick recipe's temperature
+            assert all(math.isfinite(numbers[arm]["entropy_first"]) for arm in arms)
+            # The learner scores at each arm's temperature: the cold arms' first batch is sharper.
+            assert numbers["cold"]["entropy_first"] < numbers["warm"]["entropy_first"]
+            assert set(result.effects) == {"bonus - cold", "warm - cold"}
         else:
             shares = {arm: result.numbers[arm]["episode_share_by_level"] for arm in arms}
             # The curriculum admits level 0 alone at first (the tiny model masters nothing): all its episodes there.
@@ -317,6 +321,15 @@ def test_smollm2_labs_run_on_the_tiny_model_with_quick(tmp_path, name):
             assert data["limited_frac_by_staleness"][0] == 0 or data is objectives["GSPO"]
         trajectory = result.numbers["unlimited"]["trajectory_ess_frac"]
         assert trajectory[0] == pytest.approx(1, abs=1e-3) and trajectory[-1] < trajectory[0]
+        arms = result.numbers["training"]["arms"]
+        assert set(arms) == {*objectives, "fresh"}
+        for name, arm in arms.items():  # update k trains on data the student sampled, k - 1 updates stale
+            assert arm["staleness"] == ([0.0, 0.0] if name == "fresh" else [0.0, 1.0]), name
+            assert 0 <= arm["heldout"] <= 1 and len(arm["clip_frac"]) == 2
+        assert set(result.effects) == {f"{name} - token PPO" for name in arms if name != "token PPO"}
+        assert "ratio: sequence\n" in (tmp_path / "train-gspo" / "config.yaml").read_text()
+        assert "clip: tis\n" in (tmp_path / "train-truncated-is" / "config.yaml").read_text()
+        assert "## Training on stale batches" in result.summary
         return
     dynamic, plain = result.numbers["dynamic"], result.numbers["no-dynamic"]
     # The no-dynamic arm ran the steps that sample the dynamic arm's rollouts, to the nearest step.

@@ -49,14 +49,14 @@ __all__ = [
 LabFn = Callable[[Path, Sequence[str], bool, Callable[[str], None]], LabResult]
 
 LABS: dict[str, tuple[str, LabFn, list[str]]] = {
-    "stale-ratios": ("importance weights by ratio, objective, staleness and length (SmolLM2, multi-turn coding)",
-                     lab_stale_ratios, STALE),
+    "stale-ratios": ("importance weights by ratio, objective, staleness and length, and held-out success after "
+                     "training each objective on stale batches (SmolLM2, multi-turn coding)", lab_stale_ratios, STALE),
     "dynamic-sampling": ("GRPO with and without dynamic sampling on the same sampled rollouts (SmolLM2, multi-turn "
                          "coding)", lab_dynamic_sampling, DYNAMIC),
     "dynamic-sampling-guess": ("DAPO with and without dynamic sampling (guessing game)", lab_dynamic_sampling_guess,
                                GUESS),
-    "entropy": ("entropy collapse at a high learning rate without a bonus vs with one (SmolLM2, multi-turn coding)",
-                lab_entropy, ENTROPY_CODING),
+    "entropy": ("exploration collapse at a cold sampling temperature, without and with an entropy bonus, and at "
+                "the default temperature (SmolLM2, multi-turn coding)", lab_entropy, ENTROPY_CODING),
     "entropy-guess": ("entropy collapse without a bonus vs with one (guessing game)", lab_entropy_guess, ENTROPY),
     "curriculum": ("the success-rate curriculum over the bug kinds vs uniform task draws (SmolLM2, multi-turn coding)",
                    lab_curriculum, CURRICULUM),

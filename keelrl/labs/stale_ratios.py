@@ -12,23 +12,36 @@ One behaviour batch is scored by learners 0..4 real updates ahead. Two views of 
   spread: the effective sample size (sum w)^2 / (n sum w^2) and the share of the total weight
   carried by the heaviest 1% of tokens. The same two figures for the exact trajectory weight
   (the product over a trajectory's tokens) measure the lecture's "a few samples dominate".
+
+Then it trains (`stale_training`): the student samples `TRAIN_UPDATES` batches before any update,
+and each objective, from the student, makes one learner update on each of them in turn, so update
+k trains on data k - 1 updates stale. Reported per objective: its clip fraction and largest
+importance weight at each update, and its held-out success after, paired against token PPO's on
+the same batches and against `fresh`, the lab's algorithm trained as many steps on batches its
+own current policy samples (on-policy).
 """
 
 from __future__ import annotations
 
+import gc
 import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from keelrl.config import TINY_RUN
-from keelrl.labs.common import (LAB_FAST, QUICK, LabResult, config, markdown_table, pyplot, variant_settings,
-                                warm_model)
+from keelrl.labs.common import (LAB_FAST, QUICK, LabResult, config, final_outcomes, last, markdown_table, pyplot,
+                                variant_settings, warm_model)
 
 STALE = ["model.path=smollm2", "rollout.tasks_per_step=4", "train.minibatch_size=8", "algo.dynamic_sampling=false",
-         "output.checkpoint_every=1000"]
+         "output.checkpoint_every=1000", "eval.tasks=32", "eval.every=1000", "eval.probe_tasks=0"]
 """The lab's settings over the default run (SmolLM2, five turns, its cached warm start): batches
 of 4 tasks x 4 attempts, each learner update the default algorithm's step on the next batch (two
-optimizer steps), no dynamic sampling (every batch the same 16 episodes)."""
+optimizer steps), no dynamic sampling (every batch the same 16 episodes); the training part's
+held-out success on 32 tasks (strong verifier, greedy)."""
+
+TRAIN_UPDATES = 4
+"""Learner updates of the training part: update k trains on a batch the student sampled, k - 1
+updates stale (0 .. 3)."""
 
 STALE_QUICK = [*TINY_RUN, *LAB_FAST, *QUICK, "algo.preset=reinforce"]
 """--quick: the tiny model's recipe at the labs' quick budget, two learner updates, for a smoke run of
@@ -43,6 +56,21 @@ OBJECTIVES: dict[str, dict[str, Any]] = {"token PPO": {"preset": "ppo"}, "GSPO":
               "decoupled": {"preset": "decoupled"}, "truncated IS": {"preset": "grpo", "clip": "tis"}}
 """The objectives whose weights the lab measures, each as the algorithm settings that select it
 (their clip widths and caps come from keelrl's presets)."""
+
+
+LIMIT_FIELDS = ("ratio", "clip", "eps_low", "eps_high", "tis_cap", "decoupled", "behaviour_weight_cap")
+"""The algorithm fields that make an objective: its ratio and update limit."""
+
+
+def objective_overrides(name: str) -> list[str]:
+    """The `algo.*` overrides that give the lab's algorithm objective `name`'s ratio, clip rule,
+    widths and caps (from its preset, as `OBJECTIVES` selects it); credit assignment, aggregation
+    and KL stay the lab's."""
+    from keelrl.algos import AlgoConfig
+
+    algo = AlgoConfig(**OBJECTIVES[name])
+    values = {field: getattr(algo, field) for field in LIMIT_FIELDS}
+    return [f"algo.{field}={str(value).lower() if isinstance(value, bool) else value}" for field, value in values.items()]
 
 
 def objective_weights(name: str, logp: Any, behaviour_logp: Any, mask: Any) -> tuple[Any, Any]:
@@ -111,6 +139,69 @@ def learner_logprobs(trainer: Any, batch: Any) -> Any:
                                     temperature=trainer.cfg.rollout.temperature)["logp"]
             logp[rows, :width] = scored.float()
     return logp
+
+
+def stale_training(out: Path, overrides: Sequence[str], model: Path, progress: Callable[[str], None],
+                   updates: int = TRAIN_UPDATES) -> dict[str, Any]:
+    """Train each objective of `OBJECTIVES` from the student (`model`) on `updates` batches the
+    student sampled before any update (update k on batch k: k - 1 updates stale), and `fresh`, the
+    lab's algorithm for as many steps on batches its current policy samples; each evaluated on
+    the held-out tasks after. Runs go to out/train-*/ and out/fresh/. Returns, per arm: held-out
+    success, the staleness, clip fraction and largest importance weight of each update, and the
+    paired effects against token PPO and against fresh; and the start's held-out success."""
+    from keelrl.config import dump_config
+    from keelrl.labs.common import train_variants
+    from keelrl.runs import CONFIG, atomic_write_text
+    from keelrl.train.evaluation import finite_or_none, paired_difference
+    from keelrl.train.trainer import Trainer
+
+    base = [*overrides, *variant_settings(), f"model.path={model}", "warm_start.demos=0"]
+    sampler = Trainer(config(out / "train-batches", [*base, "rollout.engine=async", f"rollout.max_staleness={updates - 1}"]))
+    engine = sampler.make_engine(last_step=updates)
+    engine.start(0)
+    progress(f"sampling {updates} batches with the student (version 0)")
+    batches = [engine.batch(step) for step in range(1, updates + 1)]
+    engine.close()
+    progress("evaluating the student")
+    start = sampler.evaluate()["eval/success"]
+    start_outcomes = dict(sampler.last_eval_report["task_success"]) if sampler.last_eval_report else {}
+    del sampler, engine
+    gc.collect()
+    arms: dict[str, dict[str, Any]] = {}
+    outcomes: dict[str, dict[str, bool]] = {}
+    for name in OBJECTIVES:
+        progress(f"training {name} on the stale batches")
+        run_dir = out / f"train-{name.lower().replace(' ', '-')}"
+        cfg = config(run_dir, [*base, *objective_overrides(name)])
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(run_dir / CONFIG, dump_config(cfg))  # what the arm ran
+        trainer = Trainer(cfg)
+        rows = []
+        for step, batch in enumerate(batches, start=1):
+            trainer.model.train()
+            rows.append(trainer.rl_step(step, batch))
+        heldout = trainer.evaluate()["eval/success"]
+        outcomes[name] = dict(trainer.last_eval_report["task_success"]) if trainer.last_eval_report else {}
+        arms[name] = {"heldout": heldout, "staleness": [row.get("rollout/staleness_mean") for row in rows],
+                      "clip_frac": [row.get("policy/clip_frac") for row in rows],
+                      "is_weight_max": [row.get("policy/is_weight_max") for row in rows]}
+        del trainer
+        gc.collect()
+    fresh = [f"train.steps={updates}", "eval.before_rl=false", "rollout.max_staleness=0"]  # on-policy
+    fresh_rows = train_variants(out, {"fresh": fresh}, base, progress)["fresh"]
+    outcomes["fresh"] = final_outcomes(out / "fresh")
+    arms["fresh"] = {"heldout": last(fresh_rows, "eval/success"),
+                     "staleness": [row.get("rollout/staleness_mean") for row in fresh_rows if "train/updates" in row],
+                     "clip_frac": [row.get("policy/clip_frac") for row in fresh_rows if "train/updates" in row],
+                     "is_weight_max": [row.get("policy/is_weight_max") for row in fresh_rows if "train/updates" in row]}
+    for name, arm in arms.items():
+        for baseline in ("token PPO", "fresh"):
+            if name != baseline:
+                difference, se = paired_difference(outcomes[baseline], outcomes[name])
+                arm[f"effect_vs_{baseline.replace(' ', '_')}"] = [difference, finite_or_none(se)]
+        difference, se = paired_difference(start_outcomes, outcomes[name])
+        arm["lift"] = [difference, finite_or_none(se)]
+    return {"start": start, "updates": updates, "arms": arms}
 
 
 def lab_stale_ratios(out: Path, overrides: Sequence[str], quick: bool,
@@ -197,6 +288,11 @@ def lab_stale_ratios(out: Path, overrides: Sequence[str], quick: bool,
     results["token_log_ratio_abs_mean_at_max_staleness"] = float(token_log.abs().mean())
     results["lecture_1.05^100"] = 1.05 ** 100
 
+    del trainer
+    gc.collect()
+    training = stale_training(out, overrides, model, progress, updates=2 if quick else TRAIN_UPDATES)
+    results["training"] = training
+
     plt = pyplot()
     figure, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4.2))
     for name, data in results["ratios"].items():
@@ -276,6 +372,34 @@ def lab_stale_ratios(out: Path, overrides: Sequence[str], quick: bool,
         f"{unlimited['trajectory_top_share'][staleness]:.0%} at staleness {staleness} (effective sample size "
         f"{unlimited['trajectory_ess_frac'][1] * len(behaviour):.1f} and "
         f"{unlimited['trajectory_ess_frac'][staleness] * len(behaviour):.1f} episodes of {len(behaviour)}). "
-        "Held-out success after training at each staleness with each objective is not measured by this lab.",
-        "", f"Chart: {chart.name}"])
-    return LabResult("stale-ratios", results, summary, [chart])
+        "", *training_section(training, int(cfg.eval.tasks)), "", f"Chart: {chart.name}"])
+    effects = {f"{name} - token PPO": tuple(arm["effect_vs_token_PPO"]) for name, arm in training["arms"].items()
+               if name != "token PPO"}
+    return LabResult("stale-ratios", results, summary, [chart], effects)
+
+
+def training_section(training: dict[str, Any], tasks: int) -> list[str]:
+    """The summary's lines on `stale_training`'s results."""
+    from keelrl.labs.common import effect_sentence
+
+    arms, updates = training["arms"], training["updates"]
+
+    def per_update(values: list[Any]) -> str:
+        return " / ".join("-" if value is None else f"{value:.3g}" for value in values)
+
+    rows = [(name, arm["heldout"], f"{arm['lift'][0]:+.3f}",
+             "-" if name == "token PPO" else f"{arm['effect_vs_token_PPO'][0]:+.3f}",
+             "-" if name == "fresh" else f"{arm['effect_vs_fresh'][0]:+.3f}",
+             per_update(arm["staleness"]), per_update(arm["clip_frac"]), per_update(arm["is_weight_max"]))
+            for name, arm in arms.items()]
+    return [
+        "## Training on stale batches", "",
+        f"The student sampled {updates} batches before any update; each objective, from the student, made one "
+        f"learner update on each in turn (update k on data k - 1 updates stale). `fresh`: the lab's algorithm for "
+        f"{updates} steps on batches its own current policy sampled. Held-out: {tasks} tasks, greedy, strict "
+        f"success; the student scored {training['start']:.3g}.", "",
+        markdown_table(["arm", "held-out after", "minus the student", "minus token PPO", "minus fresh",
+                        "staleness, each update", "clip fraction, each update", "max importance weight, each update"],
+                       rows), "",
+        *[effect_sentence(f"- Held-out, {name} minus token PPO on the same stale batches", tuple(arm["effect_vs_token_PPO"]),
+                          tasks, name) for name, arm in arms.items() if name != "token PPO"]]
