@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 
 from keelrl.cli import main
 from keelrl.errors import ConfigError
@@ -327,6 +328,9 @@ def test_smollm2_labs_run_on_the_tiny_model_with_quick(tmp_path, name):
             assert arm["staleness"] == ([0.0, 0.0] if name == "fresh" else [0.0, 1.0]), name
             assert 0 <= arm["heldout"] <= 1 and len(arm["clip_frac"]) == 2
         assert set(result.effects) == {f"{name} - token PPO" for name in arms if name != "token PPO"}
+        models = {arm: yaml.safe_load((tmp_path / arm / "config.yaml").read_text())["model"]["path"]
+                  for arm in ("train-token-ppo", "train-gspo", "fresh")}
+        assert len(set(models.values())) == 1, models  # every arm starts from the one student
         assert "ratio: sequence\n" in (tmp_path / "train-gspo" / "config.yaml").read_text()
         assert "clip: tis\n" in (tmp_path / "train-truncated-is" / "config.yaml").read_text()
         assert "## Training on stale batches" in result.summary

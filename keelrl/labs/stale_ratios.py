@@ -188,7 +188,7 @@ def stale_training(out: Path, overrides: Sequence[str], model: Path, progress: C
         del trainer
         gc.collect()
     fresh = [f"train.steps={updates}", "eval.before_rl=false", "rollout.max_staleness=0"]  # on-policy
-    fresh_rows = train_variants(out, {"fresh": fresh}, base, progress)["fresh"]
+    fresh_rows = train_variants(out, {"fresh": fresh}, overrides, progress)["fresh"]  # from the same student
     outcomes["fresh"] = final_outcomes(out / "fresh")
     arms["fresh"] = {"heldout": last(fresh_rows, "eval/success"),
                      "staleness": [row.get("rollout/staleness_mean") for row in fresh_rows if "train/updates" in row],
