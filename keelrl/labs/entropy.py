@@ -111,8 +111,8 @@ def lab_entropy(out: Path, overrides: Sequence[str], quick: bool, progress: Call
                          ", ".join(map(str, v["collapse_alarm_steps"])) or "none", v["seconds"])
                         for k, v in numbers.items()]), "",
         *[exploration(label) for label in numbers],
-        (f"- The bonus raised the cold arm's entropy ({plain['entropy_last']:.3g} -> {bonus['entropy_last']:.3g} at the "
-         "last step)." if raised else
+        (f"- The bonus raised the cold arm's entropy (last step {bonus['entropy_last']:.3g} against "
+         f"{plain['entropy_last']:.3g} without it)." if raised else
          f"- The bonus did not raise the cold arm's entropy in {steps} steps (last step {bonus['entropy_last']:.3g} "
          f"against {plain['entropy_last']:.3g} without it)."),
         effect_sentence("- Held-out, bonus minus cold", effects["bonus - cold"], cfg.eval.tasks, "the bonus"),
