@@ -141,6 +141,13 @@ def learner_logprobs(trainer: Any, batch: Any) -> Any:
     return logp
 
 
+def update_figures(rows: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
+    """Each learner update's staleness, clip fraction and largest importance weight, from its metrics rows."""
+    return {"staleness": [row.get("rollout/staleness_mean") for row in rows],
+            "clip_frac": [row.get("policy/clip_frac") for row in rows],
+            "is_weight_max": [row.get("policy/is_weight_max") for row in rows]}
+
+
 def stale_training(out: Path, overrides: Sequence[str], model: Path, progress: Callable[[str], None],
                    updates: int = TRAIN_UPDATES) -> dict[str, Any]:
     """Train each objective of `OBJECTIVES` from the student (`model`) on `updates` batches the
@@ -182,18 +189,14 @@ def stale_training(out: Path, overrides: Sequence[str], model: Path, progress: C
             rows.append(trainer.rl_step(step, batch))
         heldout = trainer.evaluate()["eval/success"]
         outcomes[name] = dict(trainer.last_eval_report["task_success"]) if trainer.last_eval_report else {}
-        arms[name] = {"heldout": heldout, "staleness": [row.get("rollout/staleness_mean") for row in rows],
-                      "clip_frac": [row.get("policy/clip_frac") for row in rows],
-                      "is_weight_max": [row.get("policy/is_weight_max") for row in rows]}
+        arms[name] = {"heldout": heldout, **update_figures(rows)}
         del trainer
         gc.collect()
     fresh = [f"train.steps={updates}", "eval.before_rl=false", "rollout.max_staleness=0"]  # on-policy
     fresh_rows = train_variants(out, {"fresh": fresh}, overrides, progress)["fresh"]  # from the same student
     outcomes["fresh"] = final_outcomes(out / "fresh")
     arms["fresh"] = {"heldout": last(fresh_rows, "eval/success"),
-                     "staleness": [row.get("rollout/staleness_mean") for row in fresh_rows if "train/updates" in row],
-                     "clip_frac": [row.get("policy/clip_frac") for row in fresh_rows if "train/updates" in row],
-                     "is_weight_max": [row.get("policy/is_weight_max") for row in fresh_rows if "train/updates" in row]}
+                     **update_figures([row for row in fresh_rows if "train/updates" in row])}
     for name, arm in arms.items():
         for baseline in ("token PPO", "fresh"):
             if name != baseline:
