@@ -231,6 +231,7 @@ def _cmd_lab(args: argparse.Namespace) -> int:
         return 2
     console = Console(stderr=True)
     result = run_lab(args.name, args.out, args.overrides, quick=args.quick, seeds=args.seeds,
+                     keep_checkpoints=args.keep_checkpoints,
                      progress=lambda message: console.print(f"[lab {args.name}] {message}", highlight=False))
     print(result.summary)
     for path in result.files:
@@ -543,6 +544,9 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("--seeds", type=int, default=1,
                      help="run every arm this many times (seeds seed, seed+1, ...) from the same warm-started "
                           "student; the summary gives each number's spread over seeds (default 1)")
+    lab.add_argument("--keep-checkpoints", action="store_true",
+                     help="keep each arm's final checkpoint (by default removed once the arm has finished: "
+                          "1.6 GB an arm on SmolLM2)")
     lab.set_defaults(func=_cmd_lab)
 
     tasks = sub.add_parser("tasks", help="export or validate coding tasks (JSONL, one task a line)")

@@ -106,6 +106,61 @@ def test_a_stopped_lab_keeps_its_finished_variants_and_retrains_a_changed_one(tm
     assert trained == ["a", "b", "b", "a", "b"]
 
 
+def test_a_finished_arm_loses_its_checkpoint_unless_kept_and_still_resumes(tmp_path, monkeypatch):
+    import keelrl.labs.common as common
+    import keelrl.train.trainer as trainer_module
+    from keelrl.runs import latest_checkpoint
+
+    trained = []
+
+    class Recorder:  # a finished run: its summary, metrics and a checkpoint with its pointer
+        def __init__(self, cfg):
+            self.run_dir = Path(cfg.run_dir)
+
+        def run(self):
+            trained.append(self.run_dir.name)
+            folder = self.run_dir / "checkpoints" / "step-000002"
+            folder.mkdir(parents=True)
+            (folder / "state.pt").write_bytes(b"x" * 1000)
+            (folder / "model.safetensors").write_bytes(b"y" * 500)
+            (self.run_dir / "checkpoint.json").write_text('{"step": 2, "path": "checkpoints/step-000002"}')
+            (self.run_dir / "summary.json").write_text("{}")
+            (self.run_dir / "metrics.jsonl").write_text('{"step": 2, "train/reward": 0.5}\n')
+
+    monkeypatch.setattr(common, "warm_model", lambda out, overrides, progress=None: tmp_path / "warm")
+    monkeypatch.setattr(trainer_module, "Trainer", Recorder)
+    messages: list[str] = []
+    common.train_variants(tmp_path / "dropped", {"a": ["train.steps=2"]}, [], messages.append)
+    arm = tmp_path / "dropped" / "a"
+    assert not (arm / "checkpoints").exists() and not (arm / "checkpoint.json").exists()
+    assert latest_checkpoint(arm) is None and (arm / "summary.json").exists() and (arm / "metrics.jsonl").exists()
+    assert any("removed a's checkpoint (0.00 GB" in message for message in messages)
+    common.train_variants(tmp_path / "dropped", {"a": ["train.steps=2"]}, [], messages.append)
+    assert trained == ["a"]  # resumed: the finished arm is known by its summary, not its checkpoint
+    token = common.KEEP_CHECKPOINTS.set(True)
+    try:
+        common.train_variants(tmp_path / "kept", {"a": ["train.steps=2"]}, [], messages.append)
+    finally:
+        common.KEEP_CHECKPOINTS.reset(token)
+    assert latest_checkpoint(tmp_path / "kept" / "a") == tmp_path / "kept" / "a" / "checkpoints" / "step-000002"
+    assert common.drop_checkpoint(tmp_path / "kept" / "a", messages.append) == 1500
+    assert common.drop_checkpoint(tmp_path / "kept" / "a", messages.append) == 0  # nothing left to remove
+
+
+def test_keel_lab_keep_checkpoints_reaches_the_lab(monkeypatch, capsys):
+    import keelrl.labs as labs
+
+    seen = {}
+
+    def fake_run_lab(name, out, overrides, **options):
+        seen[name] = options["keep_checkpoints"]
+        return labs.LabResult(name, {}, "done")
+
+    monkeypatch.setattr(labs, "run_lab", fake_run_lab)
+    assert main(["lab", "credit", "--quick"]) == 0 and main(["lab", "entropy", "--keep-checkpoints"]) == 0
+    assert seen == {"credit": False, "entropy": True}
+
+
 def test_stale_ratios_lab_measures_weights_on_real_rollouts(tmp_path):
     result = run_lab("stale-ratios", tmp_path, quick=True)
     numbers = json.loads((tmp_path / "results.json").read_text())
@@ -203,6 +258,7 @@ def test_distill_lab_runs_its_three_variants_on_the_quick_budget(tmp_path):
     assert lab_settings("distill", quick=True).index("model.path=tiny") > lab_settings("distill").index("model.path=smollm2")
     result = run_lab("distill", tmp_path, quick=True)
     assert {"grpo", "on-policy", "self"} <= set(result.numbers)
+    assert not list(tmp_path.rglob("checkpoints"))  # each arm's checkpoint dropped once it finished
     teacher = Path(result.numbers["teacher"])
     assert teacher.parent.parent == student_cache_dir() and (teacher / "config.json").exists()
     # A teacher given on the command line goes to the on-policy variant alone (self has none).
@@ -291,6 +347,7 @@ def test_smollm2_labs_run_on_the_tiny_model_with_quick(tmp_path, name):
     """--quick swaps SmolLM2 for the tiny model."""
     assert "model.path=smollm2" in lab_settings(name) and "model.path=tiny" in lab_settings(name, quick=True)
     result = run_lab(name, tmp_path, quick=True)
+    assert not list(tmp_path.rglob("checkpoint.json")) and not list(tmp_path.rglob("checkpoints"))  # dropped
     if name in ("entropy", "curriculum"):
         arms = {"entropy": ("cold", "bonus", "warm"), "curriculum": ("uniform", "curriculum")}[name]
         assert set(result.numbers) - {"lab_seconds"} == set(arms)

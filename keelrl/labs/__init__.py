@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from keelrl.labs.common import (ENTROPY, GUESS, HACK, LAB_FAST, QUICK, QUICK_GUESS, RL_SEED, USER_OVERRIDES, LabResult,
-                                config)
+from keelrl.labs.common import (ENTROPY, GUESS, HACK, KEEP_CHECKPOINTS, LAB_FAST, QUICK, QUICK_GUESS, RL_SEED,
+                                USER_OVERRIDES, LabResult, config)
 from keelrl.labs.credit import CREDIT, CREDIT_QUICK, lab_credit
 from keelrl.labs.distill import DISTILL, DISTILL_QUICK, lab_distill
 from keelrl.labs.dynamic_sampling import DYNAMIC, DYNAMIC_QUICK, lab_dynamic_sampling, lab_dynamic_sampling_guess
@@ -90,8 +90,12 @@ def lab_settings(name: str, overrides: Sequence[str] = (), quick: bool = False) 
 
 
 def run_lab(name: str, out: str | Path | None = None, overrides: Sequence[str] = (), quick: bool = False,
-            progress: Callable[[str], None] | None = None, seeds: int = 1) -> LabResult:
+            progress: Callable[[str], None] | None = None, seeds: int = 1,
+            keep_checkpoints: bool = False) -> LabResult:
     """Run lab `name` into `out` (default runs/lab-NAME); writes summary.md and results.json.
+
+    Each arm's final checkpoint (1.6 GB on SmolLM2) is removed once the arm has finished, unless
+    `keep_checkpoints` (`keelrl.labs.common.drop_checkpoint`).
 
     With `seeds` K > 1 every arm runs K times, at seeds seed .. seed + K - 1 (the config's seed
     first), each repetition into out/seed-N/ from the same cached warm start; the summary and
@@ -109,6 +113,7 @@ def run_lab(name: str, out: str | Path | None = None, overrides: Sequence[str] =
     say = progress or (lambda message: None)
     started = time.monotonic()
     token = USER_OVERRIDES.set(tuple(overrides))
+    keep_token = KEEP_CHECKPOINTS.set(keep_checkpoints)
     try:
         if seeds == 1:
             result = function(directory, settings, quick, say)
@@ -129,6 +134,7 @@ def run_lab(name: str, out: str | Path | None = None, overrides: Sequence[str] =
             result = combine(name, chosen, results)
     finally:
         USER_OVERRIDES.reset(token)
+        KEEP_CHECKPOINTS.reset(keep_token)
     seconds = time.monotonic() - started
     result.numbers = {**result.numbers, "lab_seconds": round(seconds, 1)}
     result.summary += f"\n\nLab wall time: {seconds:.0f} s" + (f" ({seconds / seeds:.0f} s a seed)." if seeds > 1 else ".")

@@ -222,6 +222,28 @@ RL_SEED: ContextVar[tuple[str, ...]] = ContextVar("keel_lab_rl_seed", default=()
 """`seed=N` while `run_lab` runs one seed of several: every variant's RL run takes it (after the
 user's overrides); the warm start, shared by the seeds, does not."""
 
+KEEP_CHECKPOINTS: ContextVar[bool] = ContextVar("keel_lab_keep_checkpoints", default=False)
+"""Whether a lab's arms keep their final checkpoints (`keel lab --keep-checkpoints`); by default
+`drop_checkpoint` removes each one once its arm has finished and been evaluated."""
+
+
+def drop_checkpoint(run_dir: Path, progress: Callable[[str], None]) -> int:
+    """Remove a finished arm's checkpoints (its model, optimizer and sampler state; 1.6 GB an arm on
+    SmolLM2) and the pointer to them, unless `KEEP_CHECKPOINTS` is set; -> bytes freed. The arm's
+    metrics, summary, episodes and samples stay, and so does the lab's resume: a finished arm is
+    known by its summary, not its checkpoint. The pointer goes first, so no pointer ever names a
+    half-removed folder."""
+    from keelrl.runs import POINTER
+
+    folder = run_dir / "checkpoints"
+    if KEEP_CHECKPOINTS.get() or not folder.is_dir():
+        return 0
+    freed = sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+    (run_dir / POINTER).unlink(missing_ok=True)
+    shutil.rmtree(folder)
+    progress(f"removed {run_dir.name}'s checkpoint ({freed / 1e9:.2f} GB; --keep-checkpoints keeps it)")
+    return freed
+
 
 def variant_settings() -> list[str]:
     """What every variant's run ends with: the user's overrides, then the seed of this repetition."""
@@ -262,6 +284,7 @@ def train_variants(out: Path, variants: dict[str, list[str]], overrides: Sequenc
         atomic_write_text(run_dir / VARIANT_RECORD, json.dumps(
             {"config": requested, "seconds": round(time.monotonic() - started, 1)}, indent=2))
         runs[label] = read_metrics(run_dir)
+        drop_checkpoint(run_dir, progress)
         if trainers is not None:
             trainers[label] = trainer
         del trainer  # else this variant's model and optimizer live on while the next one's load

@@ -38,8 +38,8 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from keelrl.labs.common import (USER_OVERRIDES, LabResult, cached_student, paired_effect, config, first, last, markdown_table, mean,
-                                plot_variants, series, steps_run, variant_settings)
+from keelrl.labs.common import (USER_OVERRIDES, LabResult, cached_student, config, drop_checkpoint, first, last,
+                                markdown_table, mean, paired_effect, plot_variants, series, steps_run, variant_settings)
 
 DISTILL = ["model.path=smollm2", "rollout.engine=sync", "rollout.tasks_per_step=4", "rollout.group_size=4",
            "train.steps=4", "eval.every=2", "eval.tasks=32", "train.minibatch_size=4", "optim.lr=5e-5",
@@ -96,6 +96,7 @@ def lab_distill(out: Path, overrides: Sequence[str], quick: bool, progress: Call
         settings = [*base, f"model.path={student}", *extra, *without_teacher(variant_settings()),
                     *([] if first_run else ["eval.before_rl=false"])]
         summary = Trainer(config(out / label, settings)).run()
+        drop_checkpoint(out / label, progress)
         if first_run and "warm_start" not in summary.get("heldout", {}):
             raise ValueError("the distill lab evaluates the shared start in its first variant's run: "
                              "leave eval.before_rl true")
