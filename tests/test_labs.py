@@ -162,7 +162,21 @@ def test_keel_lab_keep_checkpoints_reaches_the_lab(monkeypatch, capsys):
 
 
 def test_stale_ratios_lab_measures_weights_on_real_rollouts(tmp_path):
-    result = run_lab("stale-ratios", tmp_path, quick=True)
+    import gc
+
+    from keelrl.train.trainer import Trainer
+
+    alive: dict[str, int] = {}
+
+    def count_trainers(message: str) -> None:  # before the training part and each of its arms
+        if message.startswith(("sampling 2 batches", "training ")):
+            gc.collect()
+            alive[message] = sum(isinstance(thing, Trainer) for thing in gc.get_objects())
+
+    result = run_lab("stale-ratios", tmp_path, quick=True, progress=count_trainers)
+    # No earlier trainer (the measurement's, held by its engine, or an arm's) outlives its part:
+    # the training part's sampler is the one trainer alive while it samples, and none as each arm starts.
+    assert len(alive) == 7 and [alive[message] for message in alive] == [1, 0, 0, 0, 0, 0, 0], alive
     numbers = json.loads((tmp_path / "results.json").read_text())
     ratios = numbers["ratios"]
     assert set(ratios) == {"token", "sequence", "cumulative", "ctpo"}

@@ -222,6 +222,23 @@ RL_SEED: ContextVar[tuple[str, ...]] = ContextVar("keel_lab_rl_seed", default=()
 """`seed=N` while `run_lab` runs one seed of several: every variant's RL run takes it (after the
 user's overrides); the warm start, shared by the seeds, does not."""
 
+def release_memory() -> None:
+    """Collect garbage and hand the C heap's free pages back to the system (glibc's malloc_trim;
+    nothing more where there is none): a lab that makes one trainer after another in a process
+    would otherwise keep every earlier arm's freed activations in its resident set."""
+    import ctypes
+    import ctypes.util
+
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        trim = None
+    if trim is not None:
+        trim(0)
+
+
 KEEP_CHECKPOINTS: ContextVar[bool] = ContextVar("keel_lab_keep_checkpoints", default=False)
 """Whether a lab's arms keep their final checkpoints (`keel lab --keep-checkpoints`); by default
 `drop_checkpoint` removes each one once its arm has finished and been evaluated."""
@@ -288,7 +305,7 @@ def train_variants(out: Path, variants: dict[str, list[str]], overrides: Sequenc
         if trainers is not None:
             trainers[label] = trainer
         del trainer  # else this variant's model and optimizer live on while the next one's load
-        gc.collect()
+        release_memory()
     return runs
 
 

@@ -23,14 +23,13 @@ own current policy samples (on-policy).
 
 from __future__ import annotations
 
-import gc
 import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from keelrl.config import TINY_RUN
 from keelrl.labs.common import (LAB_FAST, QUICK, LabResult, config, final_outcomes, last, markdown_table, pyplot,
-                                variant_settings, warm_model)
+                                release_memory, variant_settings, warm_model)
 
 STALE = ["model.path=smollm2", "rollout.tasks_per_step=4", "train.minibatch_size=8", "algo.dynamic_sampling=false",
          "output.checkpoint_every=1000", "eval.tasks=32", "eval.every=1000", "eval.probe_tasks=0"]
@@ -173,7 +172,7 @@ def stale_training(out: Path, overrides: Sequence[str], model: Path, progress: C
     start = sampler.evaluate()["eval/success"]
     start_outcomes = dict(sampler.last_eval_report["task_success"]) if sampler.last_eval_report else {}
     del sampler, engine
-    gc.collect()
+    release_memory()
     arms: dict[str, dict[str, Any]] = {}
     outcomes: dict[str, dict[str, bool]] = {}
     for name in OBJECTIVES:
@@ -191,7 +190,7 @@ def stale_training(out: Path, overrides: Sequence[str], model: Path, progress: C
         outcomes[name] = dict(trainer.last_eval_report["task_success"]) if trainer.last_eval_report else {}
         arms[name] = {"heldout": heldout, **update_figures(rows)}
         del trainer
-        gc.collect()
+        release_memory()
     fresh = [f"train.steps={updates}", "eval.before_rl=false", "rollout.max_staleness=0"]  # on-policy
     fresh_rows = train_variants(out, {"fresh": fresh}, overrides, progress)["fresh"]  # from the same student
     outcomes["fresh"] = final_outcomes(out / "fresh")
@@ -291,8 +290,11 @@ def lab_stale_ratios(out: Path, overrides: Sequence[str], quick: bool,
     results["token_log_ratio_abs_mean_at_max_staleness"] = float(token_log.abs().mean())
     results["lecture_1.05^100"] = 1.05 ** 100
 
-    del trainer
-    gc.collect()
+    episodes = len(behaviour)
+    # The engine holds the trainer (its model and request source), and its batches the episodes:
+    # all go before the training part makes its own trainers (4-5 GB more at its peak on SmolLM2).
+    del trainer, engine, first, behaviour
+    release_memory()
     training = stale_training(out, overrides, model, progress, updates=2 if quick else TRAIN_UPDATES)
     results["training"] = training
 
@@ -344,7 +346,7 @@ def lab_stale_ratios(out: Path, overrides: Sequence[str], quick: bool,
     model_name = "the tiny model" if quick else "SmolLM2-135M-Instruct"
     summary = "\n".join([
         "# Lab: stale ratios", "",
-        f"One batch of {len(behaviour)} real rollouts ({model_name} as the {cfg.env.name} agent, "
+        f"One batch of {episodes} real rollouts ({model_name} as the {cfg.env.name} agent, "
         f"from its cached warm start) is scored by learners 0..{staleness} updates ahead (each the run's "
         f"{cfg.algo.preset} step on that step's batch, lr {cfg.optim.lr:g}). Longest trajectory: {longest} action "
         f"tokens; mean |log pi/mu| per token at staleness {staleness}: "
@@ -370,11 +372,11 @@ def lab_stale_ratios(out: Path, overrides: Sequence[str], quick: bool,
         "1% of tokens.", "",
         markdown_table(header, objective_rows), "",
         f"A few samples dominate: with the exact trajectory weight (the product over each episode's tokens, "
-        f"no limit), the heaviest of the {len(behaviour)} episodes carries "
+        f"no limit), the heaviest of the {episodes} episodes carries "
         f"{unlimited['trajectory_top_share'][1]:.0%} of the batch's weight at staleness 1 and "
         f"{unlimited['trajectory_top_share'][staleness]:.0%} at staleness {staleness} (effective sample size "
-        f"{unlimited['trajectory_ess_frac'][1] * len(behaviour):.1f} and "
-        f"{unlimited['trajectory_ess_frac'][staleness] * len(behaviour):.1f} episodes of {len(behaviour)}). "
+        f"{unlimited['trajectory_ess_frac'][1] * episodes:.1f} and "
+        f"{unlimited['trajectory_ess_frac'][staleness] * episodes:.1f} episodes of {episodes}). "
         "", *training_section(training, int(cfg.eval.tasks)), "", f"Chart: {chart.name}"])
     effects = {f"{name} - token PPO": tuple(arm["effect_vs_token_PPO"]) for name, arm in training["arms"].items()
                if name != "token PPO"}
