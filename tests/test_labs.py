@@ -147,6 +147,28 @@ def test_a_finished_arm_loses_its_checkpoint_unless_kept_and_still_resumes(tmp_p
     assert common.drop_checkpoint(tmp_path / "kept" / "a", messages.append) == 0  # nothing left to remove
 
 
+def test_release_memory_hands_freed_heap_pages_back():
+    import os
+
+    from keelrl.labs.common import _malloc_trim, release_memory
+
+    if _malloc_trim() is None:
+        pytest.skip("no glibc malloc_trim on this platform: release_memory only collects garbage")
+
+    def rss() -> int:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    release_memory()  # free pages earlier tests left in this process's heap would take the blocks unseen
+    base = rss()
+    blocks = [bytes(2000) for _ in range(150_000)]  # about 300 MB on the C heap, below the mmap threshold
+    kept = blocks[::100]  # every 100th stays: the freed pages lie between live blocks, not at the heap's top
+    del blocks
+    freed_not_returned = rss() - base
+    release_memory()
+    assert freed_not_returned > 200e6 and rss() - base < 0.25 * freed_not_returned and len(kept) == 1500
+
+
 def test_keel_lab_keep_checkpoints_reaches_the_lab(monkeypatch, capsys):
     import keelrl.labs as labs
 

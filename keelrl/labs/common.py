@@ -222,21 +222,26 @@ RL_SEED: ContextVar[tuple[str, ...]] = ContextVar("keel_lab_rl_seed", default=()
 """`seed=N` while `run_lab` runs one seed of several: every variant's RL run takes it (after the
 user's overrides); the warm start, shared by the seeds, does not."""
 
+
 def release_memory() -> None:
     """Collect garbage and hand the C heap's free pages back to the system (glibc's malloc_trim;
     nothing more where there is none): a lab that makes one trainer after another in a process
     would otherwise keep every earlier arm's freed activations in its resident set."""
-    import ctypes
-    import ctypes.util
-
     gc.collect()
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        trim = None
+    trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's malloc_trim among the process's own symbols, looked up once; None without glibc."""
+    import ctypes
+
+    try:
+        return getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except OSError:
+        return None
 
 
 KEEP_CHECKPOINTS: ContextVar[bool] = ContextVar("keel_lab_keep_checkpoints", default=False)
