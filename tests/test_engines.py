@@ -310,3 +310,36 @@ def test_async_engine_never_samples_past_the_last_step(max_staleness):
     results = run_fake_learner(engine, 3, [0.0, 0.0, 0.0], model)
     assert [len(r.trajectories) for r in results] == [2, 2, 2]
     assert max(asked) == 3  # nothing was sent ahead for steps 4.. that the run never takes
+
+
+def test_environment_work_is_handled_in_the_order_it_was_sent():
+    """Resets that return in reverse order still queue their episodes in admission order, so the
+    next generation batch does not depend on the order a set of finished futures iterates in."""
+    import threading
+    from concurrent.futures import wait
+
+    from keelrl.rollout.scheduler import EpisodeScheduler
+
+    n = 12
+    gates = [threading.Event() for _ in range(n)]
+
+    class GatedEnv(LatencyEnv):
+        def reset(self, task):
+            assert gates[task].wait(10)
+            return super().reset(task)
+
+    scheduler = EpisodeScheduler(lambda: GatedEnv(lambda task, turn: 0.0, lambda task: 1), ByteTokenizer(),
+                                 versions_actor(torch.nn.Linear(1, 1)), limits(env_threads=n))
+    try:
+        scheduler.submit([GroupRequest(index=i, task=i, group_size=1, seed=i) for i in range(n)])
+        scheduler._admit()
+        for i in reversed(range(n)):  # each reset returns only after the one sent after it
+            gates[i].set()
+            while not any(future.done() and episode.request.index == i
+                          for future, (_, episode) in scheduler._futures.items()):
+                time.sleep(0.001)
+        wait(list(scheduler._futures))
+        scheduler._collect(0.0)
+        assert [episode.request.index for episode in scheduler._ready] == list(range(n))
+    finally:
+        scheduler.close()

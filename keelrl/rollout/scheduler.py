@@ -4,7 +4,8 @@ One scheduler drives one policy copy. Work arrives as `GroupRequest`s (a task, G
 seed, and the oldest policy version allowed to start it). Each call of `run_once`:
 
 1. admits waiting requests whose `min_version` the held weights satisfy (in request order);
-2. collects finished environment work (resets, tool calls, gradings run in a thread pool);
+2. collects finished environment work (resets, tool calls, gradings run in a thread pool), in
+   the order it was sent, whatever order it finished in;
 3. generates the next action of every episode that is waiting for one, in one batch, tagging
    the turn with the version of the weights that produced it; with a streaming actor
    (`act.stream`, keelrl's own decoder) it adds those episodes to the batch being decoded and
@@ -346,7 +347,8 @@ class EpisodeScheduler:
             if timeout > 0:
                 time.sleep(timeout)
             return []
-        finished, _ = wait(list(self._futures), timeout=timeout, return_when=FIRST_COMPLETED)
+        done, _ = wait(list(self._futures), timeout=timeout, return_when=FIRST_COMPLETED)
+        finished = [future for future in self._futures if future in done]  # in the order sent, not set order
         results = []
         for future in finished:
             kind, episode = self._futures.pop(future)
