@@ -38,9 +38,9 @@ of 4 tasks x 4 attempts, each learner update the default algorithm's step on the
 optimizer steps), no dynamic sampling (every batch the same 16 episodes); the training part's
 held-out success on 32 tasks (strong verifier, greedy)."""
 
-TRAIN_UPDATES = 4
+TRAIN_UPDATES = 5
 """Learner updates of the training part: update k trains on a batch the student sampled, k - 1
-updates stale (0 .. 3)."""
+updates stale (0 .. 4, the measurement's range)."""
 
 STALE_QUICK = [*TINY_RUN, *LAB_FAST, *QUICK, "algo.preset=reinforce"]
 """--quick: the tiny model's recipe at the labs' quick budget, two learner updates, for a smoke run of
