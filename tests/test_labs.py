@@ -198,7 +198,8 @@ def test_stale_ratios_lab_measures_weights_on_real_rollouts(tmp_path):
             gc.collect()
             alive[message] = sum(isinstance(thing, Trainer) and thing not in earlier for thing in gc.get_objects())
 
-    result = run_lab("stale-ratios", tmp_path, quick=True, progress=count_trainers)
+    # an importance-weight alarm threshold every stale update passes: each objective's arm raises it
+    result = run_lab("stale-ratios", tmp_path, ["monitor.is_weight_max=1.0001"], quick=True, progress=count_trainers)
     # No earlier trainer (the measurement's, held by its engine, or an arm's) outlives its part:
     # the training part's sampler is the one trainer alive while it samples, and none as each arm starts.
     assert len(alive) == 7 and [alive[message] for message in alive] == [1, 0, 0, 0, 0, 0, 0], alive
@@ -215,6 +216,19 @@ def test_stale_ratios_lab_measures_weights_on_real_rollouts(tmp_path):
     assert ratios["cumulative"]["max_weight_by_staleness"][-1] > ratios["sequence"]["max_weight_by_staleness"][-1]
     assert (tmp_path / "stale_ratios.png").stat().st_size > 1000
     assert "| cumulative |" in (tmp_path / "summary.md").read_text() and result.name == "stale-ratios"
+    # The training part's updates go through the run's alarms: every objective on the stale batches
+    # weighs some token above 1.0001 (its own ratio, or the decoupled objective's behaviour weight)
+    # and raises `importance_weight` once, no later than the first update whose ratio passed it.
+    for name, arm in numbers["training"]["arms"].items():
+        if name == "fresh":
+            continue
+        fired = [event for event in arm["alarms"] if event["alarm"] == "importance_weight"]
+        assert len(fired) == 1, (name, arm["alarms"])
+        step, values = fired[0]["step"], fired[0]["values"]
+        assert 1 <= step <= numbers["training"]["updates"] and values and min(values.values()) > 1.0001
+        passed = [k for k, weight in enumerate(arm["is_weight_max"], start=1) if weight > 1.0001]
+        assert not passed or step <= passed[0], (name, step, arm["is_weight_max"])
+        assert f"- {name}, update {step}: `importance_weight`" in (tmp_path / "summary.md").read_text()
 
 
 @pytest.mark.slow

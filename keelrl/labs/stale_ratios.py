@@ -16,7 +16,8 @@ One behaviour batch is scored by learners 0..4 real updates ahead. Two views of 
 Then it trains (`stale_training`): the student samples `TRAIN_UPDATES` batches before any update,
 and each objective, from the student, makes one learner update on each of them in turn, so update
 k trains on data k - 1 updates stale. Reported per objective: its clip fraction and largest
-importance weight at each update, and its held-out success after, paired against token PPO's on
+importance weight at each update, the alarms its updates raised (`keelrl.alarms`, as a run with
+the same `monitor` settings raises them), and its held-out success after, paired against token PPO's on
 the same batches and against `fresh`, the lab's algorithm trained as many steps on batches its
 own current policy samples (on-policy).
 """
@@ -153,11 +154,14 @@ def stale_training(out: Path, overrides: Sequence[str], model: Path, progress: C
     student sampled before any update (update k on batch k: k - 1 updates stale), and `fresh`, the
     lab's algorithm for as many steps on batches its current policy samples; each evaluated on
     the held-out tasks after. Runs go to out/train-*/ and out/fresh/. Returns, per arm: held-out
-    success, the staleness, clip fraction and largest importance weight of each update, and the
-    paired effects against token PPO and against fresh; and the start's held-out success."""
+    success, the staleness, clip fraction and largest importance weight of each update, the
+    alarms its updates raised (`keelrl.alarms`, with the run's `monitor` settings; `AlarmEvent.as_dict`
+    each), and the paired effects against token PPO and against fresh; and the start's held-out
+    success."""
+    from keelrl.alarms import AlarmMonitor
     from keelrl.config import dump_config
     from keelrl.labs.common import train_variants
-    from keelrl.runs import CONFIG, atomic_write_text
+    from keelrl.runs import CONFIG, atomic_write_text, read_alarms
     from keelrl.train.evaluation import finite_or_none, paired_difference
     from keelrl.train.trainer import Trainer
 
@@ -182,20 +186,23 @@ def stale_training(out: Path, overrides: Sequence[str], model: Path, progress: C
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(run_dir / CONFIG, dump_config(cfg))  # what the arm ran
         trainer = Trainer(cfg)
-        rows = []
+        monitor = AlarmMonitor(cfg.monitor)  # the run's alarms, as `keel train` would raise them
+        rows, alarms = [], []
         for step, batch in enumerate(batches, start=1):
             trainer.model.train()
             rows.append(trainer.rl_step(step, batch))
+            alarms += [event.as_dict() for event in monitor.update(step, rows[-1])]
         heldout = trainer.evaluate()["eval/success"]
         outcomes[name] = dict(trainer.last_eval_report["task_success"]) if trainer.last_eval_report else {}
-        arms[name] = {"heldout": heldout, **update_figures(rows)}
+        arms[name] = {"heldout": heldout, **update_figures(rows), "alarms": alarms}
         del trainer
         release_memory()
     fresh = [f"train.steps={updates}", "eval.before_rl=false", "rollout.max_staleness=0"]  # on-policy
     fresh_rows = train_variants(out, {"fresh": fresh}, overrides, progress)["fresh"]  # from the same student
     outcomes["fresh"] = final_outcomes(out / "fresh")
     arms["fresh"] = {"heldout": last(fresh_rows, "eval/success"),
-                     **update_figures([row for row in fresh_rows if "train/updates" in row])}
+                     **update_figures([row for row in fresh_rows if "train/updates" in row]),
+                     "alarms": read_alarms(out / "fresh")}
     for name, arm in arms.items():
         for baseline in ("token PPO", "fresh"):
             if name != baseline:
@@ -407,4 +414,17 @@ def training_section(training: dict[str, Any], tasks: int) -> list[str]:
                         "staleness, each update", "clip fraction, each update", "max importance weight, each update"],
                        rows), "",
         *[effect_sentence(f"- Held-out, {name} minus token PPO on the same stale batches", tuple(arm["effect_vs_token_PPO"]),
-                          tasks, name) for name, arm in arms.items() if name != "token PPO"]]
+                          tasks, name) for name, arm in arms.items() if name != "token PPO"],
+        "", *alarm_lines(arms)]
+
+
+def alarm_lines(arms: dict[str, dict[str, Any]]) -> list[str]:
+    """The summary's lines on the alarms each arm's updates raised (none: said so)."""
+    fired = [f"- {name}, update {event['step']}: `{event['alarm']}`, {event['message']}"
+             for name, arm in arms.items() for event in arm.get("alarms", [])]
+    quiet = [name for name, arm in arms.items() if not arm.get("alarms")]
+    lines = ["Alarms raised while training (the run's `monitor` settings, as `keel train` raises them):"]
+    lines += fired or ["- none"]
+    if fired and quiet:
+        lines.append(f"- none in: {', '.join(quiet)}")
+    return lines
