@@ -229,6 +229,17 @@ def test_stale_ratios_lab_measures_weights_on_real_rollouts(tmp_path):
         passed = [k for k, weight in enumerate(arm["is_weight_max"], start=1) if weight > 1.0001]
         assert not passed or step <= passed[0], (name, step, arm["is_weight_max"])
         assert f"- {name}, update {step}: `importance_weight`" in (tmp_path / "summary.md").read_text()
+        # ... and are the arm's own run files, as a run's: a metrics row per update (the held-out
+        # success on the last), the alarm flagged on its row, alarms.jsonl and the sampled episodes.
+        run_dir = tmp_path / f"train-{name.lower().replace(' ', '-')}"
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [row["step"] for row in rows] == list(range(1, numbers["training"]["updates"] + 1))
+        assert rows[-1]["eval/success"] == arm["heldout"] and "eval/success" not in rows[0]
+        assert [row["policy/is_weight_max"] for row in rows] == arm["is_weight_max"]
+        assert [row["step"] for row in rows if row.get("alarm/importance_weight") == 1.0] == [step]
+        assert [json.loads(line)["alarm"] for line in (run_dir / "alarms.jsonl").read_text().splitlines()] == [
+            "importance_weight"]
+        assert (run_dir / "alarms" / f"importance_weight_step_{step:04d}.txt").read_text().startswith("# ")
 
 
 @pytest.mark.slow

@@ -153,15 +153,18 @@ def stale_training(out: Path, overrides: Sequence[str], model: Path, progress: C
     """Train each objective of `OBJECTIVES` from the student (`model`) on `updates` batches the
     student sampled before any update (update k on batch k: k - 1 updates stale), and `fresh`, the
     lab's algorithm for as many steps on batches its current policy samples; each evaluated on
-    the held-out tasks after. Runs go to out/train-*/ and out/fresh/. Returns, per arm: held-out
-    success, the staleness, clip fraction and largest importance weight of each update, the
-    alarms its updates raised (`keelrl.alarms`, with the run's `monitor` settings; `AlarmEvent.as_dict`
-    each), and the paired effects against token PPO and against fresh; and the start's held-out
-    success."""
+    the held-out tasks after. Runs go to out/train-*/ and out/fresh/, each with a run's
+    metrics.jsonl (an objective arm's held-out success on its last update's row) and alarms.jsonl,
+    which `keel view` reads; an alarm does not stop an objective arm (`monitor.stop_on` is not
+    read there). Returns, per arm: held-out success, the staleness, clip fraction and largest
+    importance weight of each update, the alarms its updates raised (`keelrl.alarms`, with the
+    run's `monitor` settings; `AlarmEvent.as_dict` each), and the paired effects against token PPO
+    and against fresh; and the start's held-out success."""
     from keelrl.alarms import AlarmMonitor
-    from keelrl.config import dump_config
+    from keelrl.config import dump_config, to_dict
     from keelrl.labs.common import train_variants
-    from keelrl.runs import CONFIG, atomic_write_text, read_alarms
+    from keelrl.metrics import MetricsLogger
+    from keelrl.runs import CONFIG, atomic_write_text, clear_outputs, read_alarms
     from keelrl.train.evaluation import finite_or_none, paired_difference
     from keelrl.train.trainer import Trainer
 
@@ -184,17 +187,22 @@ def stale_training(out: Path, overrides: Sequence[str], model: Path, progress: C
         run_dir = out / f"train-{name.lower().replace(' ', '-')}"
         cfg = config(run_dir, [*base, *objective_overrides(name)])
         run_dir.mkdir(parents=True, exist_ok=True)
+        clear_outputs(run_dir)  # an earlier lab's logs in the same place are not this arm's
         atomic_write_text(run_dir / CONFIG, dump_config(cfg))  # what the arm ran
         trainer = Trainer(cfg)
         monitor = AlarmMonitor(cfg.monitor)  # the run's alarms, as `keel train` would raise them
-        rows, alarms = [], []
-        for step, batch in enumerate(batches, start=1):
-            trainer.model.train()
-            rows.append(trainer.rl_step(step, batch))
-            alarms += [event.as_dict() for event in monitor.update(step, rows[-1])]
-        heldout = trainer.evaluate()["eval/success"]
+        rows = []
+        with MetricsLogger(run_dir, cfg.log, config=to_dict(cfg)) as logger:  # the arm's curves, as a run's
+            for step, batch in enumerate(batches, start=1):
+                trainer.model.train()
+                rows.append(trainer.rl_step(step, batch))
+                if step == len(batches):
+                    rows[-1].update(trainer.evaluate())
+                events = monitor.update(step, rows[-1])
+                logger.log(step, {**rows[-1], **{f"alarm/{event.name}": 1.0 for event in events}})
+                trainer.outputs.raise_alarms(events, batch.trajectories)  # alarms.jsonl, and samples around each
         outcomes[name] = dict(trainer.last_eval_report["task_success"]) if trainer.last_eval_report else {}
-        arms[name] = {"heldout": heldout, **update_figures(rows), "alarms": alarms}
+        arms[name] = {"heldout": rows[-1]["eval/success"], **update_figures(rows), "alarms": read_alarms(run_dir)}
         del trainer
         release_memory()
     fresh = [f"train.steps={updates}", "eval.before_rl=false", "rollout.max_staleness=0"]  # on-policy
