@@ -13,7 +13,7 @@ import yaml
 from keelrl.cli import main
 from keelrl.errors import ConfigError
 from keelrl.labs import LABS, lab_settings, run_lab
-from keelrl.labs.common import student_cache_dir
+from keelrl.labs.common import student_cache_dir, variant_record
 
 
 def test_lab_list_and_unknown_names(capsys):
@@ -349,6 +349,14 @@ def test_distill_lab_runs_its_three_variants_on_the_quick_budget(tmp_path):
     assert result.numbers["grpo"]["versus_grpo"] == 0 and all(
         -1 <= result.numbers[variant]["versus_grpo"] <= 1 for variant in ("on-policy", "self"))
     assert (tmp_path / "distill.png").stat().st_size > 1000
+    # Each arm is a lab arm like the other labs': its wall clock recorded, and a lab run again in
+    # the same place (a stopped one, resumed) keeps every finished arm instead of training it again.
+    assert all(variant_record(tmp_path / variant)["seconds"] > 0 for variant in ("grpo", "on-policy", "self"))
+    messages: list[str] = []
+    resumed = run_lab("distill", tmp_path, quick=True, progress=messages.append)
+    assert sum("finished before with this config, kept" in message for message in messages) == 3, messages
+    assert not any(message.startswith("training variant") for message in messages)
+    assert resumed.effects == result.effects
 
 
 def test_dominance_measures_how_evenly_weights_spread():

@@ -16,7 +16,10 @@ import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+if TYPE_CHECKING:
+    from keelrl.config import KeelConfig
 
 LAB_FAST = ["rollout.tasks_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=64", "env.max_turns=4",
             "eval.tasks=40", "output.sample_trajectories=2", "output.checkpoint_every=1000",
@@ -279,43 +282,53 @@ def train_variants(out: Path, variants: dict[str, list[str]], overrides: Sequenc
 
     Pass `trainers` to get each variant's trained `Trainer` back in it. The user's overrides
     (`run_lab`'s) are applied again after each variant's own settings, so they win there too.
-    A variant that finished before in its directory with the same config (its `VARIANT_RECORD`)
-    is kept, not trained again, unless `trainers` asks for its trainer: a stopped lab resumes at
-    the first unfinished variant.
+    Each variant is one `train_variant`: one that finished before in its directory with the same
+    config is kept, not trained again, unless `trainers` asks for its trainer.
     """
+    model = warm_model(out, overrides, progress)
+    runs = {}
+    for label, extra in variants.items():
+        cfg = config(out / label, [*overrides, *extra, *variant_settings(), f"model.path={model}", "warm_start.demos=0"])
+        runs[label] = train_variant(label, cfg, progress, trainers)
+    return runs
+
+
+def train_variant(label: str, cfg: KeelConfig, progress: Callable[[str], None],
+                  trainers: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """One lab arm: `cfg`'s run, trained and evaluated in `cfg.run_dir`; returns its
+    metrics rows. A run that finished before in that directory with the same config (its
+    `VARIANT_RECORD`) is kept, not trained again, unless `trainers` asks for its trainer: a stopped
+    lab resumes at the first unfinished arm. A finished arm's record gets its wall clock, its
+    checkpoint is dropped (`drop_checkpoint`), and its trainer is released before the next arm
+    loads (kept only in `trainers[label]` when given)."""
     from keelrl.config import dump_config
     from keelrl.runs import SUMMARY, atomic_write_text, read_metrics
     from keelrl.train.trainer import Trainer
 
-    model = warm_model(out, overrides, progress)
-    runs = {}
-    for label, extra in variants.items():
-        run_dir = out / label
-        cfg = config(run_dir, [*overrides, *extra, *variant_settings(), f"model.path={model}", "warm_start.demos=0"])
-        requested = dump_config(cfg)
-        if trainers is None and (run_dir / SUMMARY).exists() and variant_record(run_dir).get("config") == requested:
-            progress(f"variant {label!r}: finished before with this config, kept ({run_dir})")
-            runs[label] = read_metrics(run_dir)
-            continue
-        progress(f"training variant {label!r}")
-        (run_dir / VARIANT_RECORD).unlink(missing_ok=True)
-        started = time.monotonic()
-        trainer = Trainer(cfg)
-        trainer.run()
-        run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(run_dir / VARIANT_RECORD, json.dumps(
-            {"config": requested, "seconds": round(time.monotonic() - started, 1)}, indent=2))
-        runs[label] = read_metrics(run_dir)
-        drop_checkpoint(run_dir, progress)
-        if trainers is not None:
-            trainers[label] = trainer
-        del trainer  # else this variant's model and optimizer live on while the next one's load
-        release_memory()
-    return runs
+    run_dir = Path(cfg.run_dir)
+    requested = dump_config(cfg)
+    if trainers is None and (run_dir / SUMMARY).exists() and variant_record(run_dir).get("config") == requested:
+        progress(f"variant {label!r}: finished before with this config, kept ({run_dir})")
+        return read_metrics(run_dir)
+    progress(f"training variant {label!r}")
+    (run_dir / VARIANT_RECORD).unlink(missing_ok=True)
+    started = time.monotonic()
+    trainer = Trainer(cfg)
+    trainer.run()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run_dir / VARIANT_RECORD, json.dumps(
+        {"config": requested, "seconds": round(time.monotonic() - started, 1)}, indent=2))
+    rows = read_metrics(run_dir)
+    drop_checkpoint(run_dir, progress)
+    if trainers is not None:
+        trainers[label] = trainer
+    del trainer  # else this arm's model and optimizer live on while the next one's load
+    release_memory()
+    return rows
 
 
 VARIANT_RECORD = "lab_variant.json"
-"""What `train_variants` writes into a variant's directory when it finishes: the config it ran
+"""What `train_variant` writes into a variant's directory when it finishes: the config it ran
 and its wall-clock seconds (building its `Trainer`, loading the model, training and evaluating)."""
 
 

@@ -38,8 +38,9 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from keelrl.labs.common import (USER_OVERRIDES, LabResult, cached_student, config, drop_checkpoint, first, last,
-                                markdown_table, mean, paired_effect, plot_variants, series, steps_run, variant_settings)
+from keelrl.labs.common import (USER_OVERRIDES, LabResult, cached_student, config, first, last, markdown_table, mean,
+                                paired_effect, plot_variants, series, steps_run, train_variant, variant_settings)
+from keelrl.runs import SUMMARY
 
 DISTILL = ["model.path=smollm2", "rollout.engine=sync", "rollout.tasks_per_step=4", "rollout.group_size=4",
            "train.steps=4", "eval.every=2", "eval.tasks=32", "train.minibatch_size=4", "optim.lr=5e-5",
@@ -72,8 +73,6 @@ def warm_started(name: str, demos: int, overrides: Sequence[str], progress: Call
 
 
 def lab_distill(out: Path, overrides: Sequence[str], quick: bool, progress: Callable[[str], None]) -> LabResult:
-    from keelrl.train.trainer import Trainer
-
     def without_teacher(settings: Sequence[str]) -> list[str]:  # the teacher is the on-policy variant's alone
         return [setting for setting in settings if not setting.startswith("distill.teacher=")]
 
@@ -92,11 +91,10 @@ def lab_distill(out: Path, overrides: Sequence[str], quick: bool, progress: Call
                 "self": ["distill.mode=self", "distill.form=loss", "distill.divergence=reverse_kl"]}
     first_run = True
     for label, extra in variants.items():
-        progress(f"training variant {label!r}")
         settings = [*base, f"model.path={student}", *extra, *without_teacher(variant_settings()),
                     *([] if first_run else ["eval.before_rl=false"])]
-        summary = Trainer(config(out / label, settings)).run()
-        drop_checkpoint(out / label, progress)
+        train_variant(label, config(out / label, settings), progress)  # kept if it finished before
+        summary = json.loads((out / label / SUMMARY).read_text())
         if first_run and "warm_start" not in summary.get("heldout", {}):
             raise ValueError("the distill lab evaluates the shared start in its first variant's run: "
                              "leave eval.before_rl true")
