@@ -398,7 +398,7 @@ def test_each_objective_weighs_a_stale_batch_as_worked_by_hand():
 
 def test_the_no_dynamic_arm_matches_the_dynamic_arms_sampled_rollouts():
     from keelrl.config import load_config
-    from keelrl.labs.dynamic_sampling import matching_steps, rl_steps, rollouts_sampled
+    from keelrl.labs.dynamic_sampling import format_sentences, groups_with_signal, matching_steps, rl_steps, rollouts_sampled
 
     cfg = load_config(overrides=lab_settings("dynamic-sampling"))
     assert (cfg.model.path, cfg.algo.preset, cfg.rollout.tasks_per_step, cfg.rollout.group_size) == ("smollm2", "grpo", 2, 4)
@@ -411,6 +411,23 @@ def test_the_no_dynamic_arm_matches_the_dynamic_arms_sampled_rollouts():
     plain = [{"step": 1, "train/reward": 0.5}, {"step": 2, "train/reward": 0.25}, {"step": 3, "train/reward": 0.0}]
     assert rollouts_sampled(plain, cfg) == 24  # 3 steps of 2 tasks x 4
     assert [matching_steps(n, 8) for n in (28, 27, 3, 0, 44)] == [4, 3, 1, 1, 6]  # 3.5 rounds up, 3.375 down
+    # Groups learned from: kept groups (all mixed) with dynamic sampling; the batch's 2 tasks times
+    # the non-zero share without (1 + 0 + 2); an evaluation row or a step that kept none adds nothing.
+    kept = [{"step": 1, "train/zero_advantage_frac": 0.0, "dynamic/kept_groups": 3.0}, {"step": 2, "dynamic/groups_drawn": 8.0},
+            {"step": 3, "train/zero_advantage_frac": 0.0, "dynamic/kept_groups": 2.0}, {"step": 3, "eval/success": 0.3}]
+    assert groups_with_signal(kept, cfg) == 5
+    zeros = [{"step": k, "train/zero_advantage_frac": frac} for k, frac in ((1, 0.5), (2, 1.0), (3, 0.0))]
+    assert groups_with_signal(zeros, cfg) == 3
+    # The format: an arm that went from a well-formed start to 47% malformed broke it; 30% is the line.
+    arms = {"dynamic": {"malformed_before": 0.014, "malformed_after": 0.472},
+            "no-dynamic": {"malformed_before": 0.014, "malformed_after": 0.299}}
+    assert format_sentences(arms) == ["`dynamic`'s tool-call format broke: 47% of its held-out actions were "
+                                      "malformed after training (1% at the start)."]
+    arms["no-dynamic"]["malformed_after"] = 0.3
+    assert len(format_sentences(arms)) == 2
+    never = {label: {"malformed_before": 0.9, "malformed_after": 1.0} for label in arms}
+    assert format_sentences(never) == ["The start itself does not write the tool-call format (90% of its held-out "
+                                       "actions malformed)."]
 
 
 @pytest.mark.slow
@@ -478,6 +495,17 @@ def test_smollm2_labs_run_on_the_tiny_model_with_quick(tmp_path, name):
     assert not any(row["step"] == 0 and "eval/success" in row for row in rows)
     assert set(result.effects) == {"dynamic sampling (dynamic - no-dynamic)"}
     assert (tmp_path / "dynamic_sampling.png").stat().st_size > 1000 and "| no-dynamic |" in result.summary
+    # What the updates learned from, and whether the format held: no-dynamic's batch is its 2 tasks a
+    # step, so its groups with signal are 2 x (1 - the zero-advantage share) summed over its steps.
+    assert plain["groups_with_signal"] == pytest.approx(sum(2 * (1 - row["train/zero_advantage_frac"])
+                                                            for row in rows if "train/zero_advantage_frac" in row))
+    assert 0 <= dynamic["malformed_after"] <= 1 and 0 <= plain["malformed_after"] <= 1
+    assert "GRPO (no reference KL)" in result.summary and "groups with signal against" in result.summary
+    start_malformed = dynamic["malformed_before"]  # the tiny start seldom writes the format at all
+    assert plain["malformed_before"] == start_malformed and 0 <= start_malformed <= 1
+    assert ("The start itself does not write the tool-call format" in result.summary) == (start_malformed >= 0.3)
+    assert ("tool-call format broke" in result.summary) == (
+        start_malformed < 0.3 <= max(dynamic["malformed_after"], plain["malformed_after"]))
 
 
 def test_curriculum_levels_read_as_the_trainer_reads_them(tmp_path):

@@ -50,6 +50,35 @@ def rollouts_sampled(rows: list[dict[str, Any]], cfg: Any) -> int:
     return len(rl_steps(rows)) * cfg.rollout.tasks_per_step * cfg.rollout.group_size
 
 
+def groups_with_signal(rows: list[dict[str, Any]], cfg: Any) -> float:
+    """Groups an arm's updates learned from, over its steps: each trained step's groups (with
+    dynamic sampling those it kept, `dynamic/kept_groups`; without, its batch's tasks) times the
+    share of them whose advantage was not zero."""
+    total = 0.0
+    for row in rows:
+        if "train/zero_advantage_frac" in row:
+            groups = row.get("dynamic/kept_groups", cfg.rollout.tasks_per_step)
+            total += groups * (1 - row["train/zero_advantage_frac"])
+    return total
+
+
+BROKEN_FORMAT = 0.3
+"""An arm whose held-out actions are malformed this often after training (eval/action_error_frac),
+from a start below it, has broken the tool-call format; the summary says so (and, of a start at
+or above it, that the start does not write the format)."""
+
+
+def format_sentences(numbers: dict[str, dict[str, Any]]) -> list[str]:
+    """What the summary says of the tool-call format, from each arm's `malformed_before` (the shared
+    start's) and `malformed_after`: that the start does not write it, or which arms broke it."""
+    start = next(iter(numbers.values()))["malformed_before"]
+    if start >= BROKEN_FORMAT:
+        return [f"The start itself does not write the tool-call format ({start:.0%} of its held-out actions malformed)."]
+    return [f"`{label}`'s tool-call format broke: {v['malformed_after']:.0%} of its held-out actions were "
+            f"malformed after training ({start:.0%} at the start)."
+            for label, v in numbers.items() if v["malformed_after"] >= BROKEN_FORMAT]
+
+
 def matching_steps(rollouts: int, per_step: int) -> int:
     """The steps (at least 1) of `per_step` rollouts that come nearest `rollouts`."""
     return max(1, math.floor(rollouts / per_step + 0.5))
@@ -86,26 +115,36 @@ def lab_dynamic_sampling(out: Path, overrides: Sequence[str], quick: bool,
                           "eval_before": before, "eval_after": after,
                           "lift_per_1000_rollouts": (after - before) / sampled * 1000 if sampled else math.nan,
                           "reward_mean": mean([v for _, v in series(rows, "train/reward")]),
+                          "groups_with_signal": groups_with_signal(rows, cfg),
+                          "grad_norm_mean": mean([v for _, v in series(rows, "train/grad_norm")]),
+                          "malformed_before": first(rows, "eval/action_error_frac"),
+                          "malformed_after": last(rows, "eval/action_error_frac"),
                           "seconds": variant_record(out / label).get("seconds", math.nan),
                           "step_s_mean": mean([v for _, v in series(rows, "time/step_s")])}
     dyn, plain = numbers["dynamic"], numbers["no-dynamic"]
     effect = paired_effect(out, "no-dynamic", "dynamic")
-    tasks = config(out, overrides).eval.tasks
+    tasks, kl = config(out, overrides).eval.tasks, dynamic_cfg.algo.kl_coef
+    anchor = "no reference KL" if kl == 0 else f"a reference KL of {kl:g}, {dynamic_cfg.algo.kl_estimator}"
+    broke = format_sentences(numbers)
     summary = "\n".join([
         "# Lab: dynamic sampling", "",
-        f"GRPO (no reference KL) from one warm-started student: `dynamic` for {dyn['steps']} steps with DAPO's "
+        f"GRPO ({anchor}) from one warm-started student: `dynamic` for {dyn['steps']} steps with DAPO's "
         f"dynamic sampling, then `no-dynamic` for {plain['steps']} steps without it, the steps that make the same "
         f"number of sampled rollouts ({dyn['rollouts_sampled']} and {plain['rollouts_sampled']}). Held-out: "
         f"{tasks} tasks, greedy, strict success, evaluated once at the start and at each arm's end.", "",
         markdown_table(["arm", "steps", "rollouts sampled", "zero-advantage share, sampled",
                         "zero-advantage share, trained", "held-out before", "held-out after",
-                        "held-out lift per 1000 rollouts", "training reward (mean)", "wall clock (s)"],
+                        "held-out lift per 1000 rollouts", "training reward (mean)", "groups trained with signal",
+                        "gradient norm (mean)", "malformed actions, held-out after", "wall clock (s)"],
                        [(k, v["steps"], v["rollouts_sampled"], v["zero_adv_frac_sampled"], v["zero_adv_frac_trained"],
                          v["eval_before"], v["eval_after"], v["lift_per_1000_rollouts"], v["reward_mean"],
-                         v["seconds"]) for k, v in numbers.items()]), "",
+                         v["groups_with_signal"], v["grad_norm_mean"], v["malformed_after"], v["seconds"])
+                        for k, v in numbers.items()]), "",
         f"Without dynamic sampling {plain['zero_adv_frac_trained']:.0%} of the trained groups had zero advantage: "
         f"rollouts and learner passes that teach nothing. With it the trained share is "
-        f"{dyn['zero_adv_frac_trained']:.0%}, and {dyn['zero_adv_frac_sampled']:.0%} of what it sampled was dropped. "
+        f"{dyn['zero_adv_frac_trained']:.0%}, and {dyn['zero_adv_frac_sampled']:.0%} of what it sampled was dropped: "
+        f"its updates learned from {dyn['groups_with_signal']:g} groups with signal against "
+        f"{plain['groups_with_signal']:g}. " + " ".join(broke) + (" " if broke else "")
         + effect_sentence("Held-out, dynamic minus no-dynamic", effect, tasks, "dynamic sampling"), "",
         f"Chart: {chart.name}"])
     return LabResult("dynamic-sampling", numbers, summary, [chart],
