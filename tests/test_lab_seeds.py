@@ -43,6 +43,60 @@ def test_an_effect_is_called_within_the_noise_from_the_seeds_spread_and_the_task
     assert verdicts([result({}, {"x": (-0.3, 0.05)}), result({}, {"x": (-0.25, 0.05)})])["x"]["verdict"] == "hurt"
 
 
+def test_with_each_tasks_difference_the_tasks_error_is_that_of_the_seeds_mean_per_task():
+    from keelrl.labs.common import Effect, task_differences
+    from keelrl.labs.seeds import task_mean_se
+
+    assert task_differences({"a": True, "b": False, "c": True}, {"a": False, "b": True, "d": True}) == {"a": -1.0, "b": 1.0}
+    # Two seeds, four tasks: differences 1, 0, 0, 1 and 0, 0, 1, 1 (each seed +0.5, paired SE
+    # sqrt((4 x 0.25) / 3 / 4) = 0.2887). Averaged per task: 0.5, 0, 0.5, 1, s.d. sqrt(0.5 / 3),
+    # SE 0.2041. The seeds agree (s.d. 0), so the noise is 0.2041 and +0.5 > 2 x 0.2041 helped;
+    # the mean paired SE alone (0.2887) would call it within the noise.
+    first, second = {"t1": 1.0, "t2": 0.0, "t3": 0.0, "t4": 1.0}, {"t1": 0.0, "t2": 0.0, "t3": 1.0, "t4": 1.0}
+    se = math.sqrt(4 * 0.25 / 3 / 4)
+    seeds = [result({}, {"x": Effect(0.5, se, first)}), result({}, {"x": Effect(0.5, se, second)})]
+    found = verdicts(seeds)["x"]
+    assert found["paired_se"] == pytest.approx(math.sqrt(0.5 / 3 / 4)) and found["sd"] == 0
+    assert found["noise"] == pytest.approx(0.2041, abs=1e-4) and found["verdict"] == "helped"
+    plain = verdicts([result({}, {"x": (0.5, se)}), result({}, {"x": (0.5, se)})])["x"]  # no tasks kept
+    assert plain["noise"] == pytest.approx(se) and plain["verdict"] == "within the noise"
+    # One seed: the same SE as the seed's own paired SE; tasks not every seed has are left out.
+    assert task_mean_se([first]) == pytest.approx(se)
+    assert task_mean_se([first, {**second, "t5": 1.0}]) == pytest.approx(math.sqrt(0.5 / 3 / 4))
+    assert task_mean_se([first, {}]) is None and task_mean_se([{"t1": 1.0}]) is None
+
+
+def test_the_noise_against_a_float64_reference_on_simulated_flips():
+    """d(t, s) = mu + a(t) + b(s) + e(t, s) drawn many times: the noise's square, averaged over
+    draws, is the mean's variance over draws plus var(e) / (T K) (the flips counted twice),
+    within sampling error; the mean paired SE's noise stays above it by about var(e) / T."""
+    import numpy as np
+
+    from keelrl.labs.common import Effect
+
+    rng = np.random.default_rng(0)
+    tasks, seeds, draws = 32, 4, 3000
+    sa, sb, se_ = 0.1, 0.05, 0.4
+    means, noise2, old2 = [], [], []
+    for _ in range(draws):
+        d = (0.05 + rng.normal(0, sa, (tasks, 1)) + rng.normal(0, sb, (1, seeds))
+             + rng.normal(0, se_, (tasks, seeds)))
+        results = []
+        for s in range(seeds):
+            column = d[:, s]
+            paired = float(column.std(ddof=1) / np.sqrt(tasks))
+            results.append(result({}, {"x": Effect(float(column.mean()), paired, {f"t{t}": float(column[t])
+                                                                                   for t in range(tasks)})}))
+        found = verdicts(results)["x"]
+        means.append(float(d.mean()))
+        noise2.append(found["noise"] ** 2)
+        old2.append((found["sd"] ** 2 / seeds) + float(np.mean([r.effects["x"][1] for r in results])) ** 2)
+    truth = sa ** 2 / tasks + sb ** 2 / seeds + se_ ** 2 / (tasks * seeds)
+    assert np.var(means, ddof=1) == pytest.approx(truth, rel=0.1)
+    assert np.mean(noise2) == pytest.approx(truth + se_ ** 2 / (tasks * seeds), rel=0.05)
+    assert np.mean(old2) > np.mean(noise2) + 0.5 * se_ ** 2 / tasks
+
+
 def test_run_lab_repeats_every_arm_at_consecutive_seeds_and_combines_them(tmp_path, monkeypatch):
     seen = []
 

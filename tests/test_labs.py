@@ -216,6 +216,12 @@ def test_stale_ratios_lab_measures_weights_on_real_rollouts(tmp_path):
     assert ratios["cumulative"]["max_weight_by_staleness"][-1] > ratios["sequence"]["max_weight_by_staleness"][-1]
     assert (tmp_path / "stale_ratios.png").stat().st_size > 1000
     assert "| cumulative |" in (tmp_path / "summary.md").read_text() and result.name == "stale-ratios"
+    # Each effect keeps every held-out task's difference: their mean is the effect.
+    for name, effect in result.effects.items():
+        arm = numbers["training"]["arms"][name.removesuffix(" - token PPO")]
+        assert set(effect.tasks) == set(arm["tasks_vs_token_PPO"]) and len(effect.tasks) >= 2
+        assert set(effect.tasks.values()) <= {-1.0, 0.0, 1.0}
+        assert sum(effect.tasks.values()) / len(effect.tasks) == pytest.approx(effect[0])
     # The training part's updates go through the run's alarms: every objective on the stale batches
     # weighs some token above 1.0001 (its own ratio, or the decoupled objective's behaviour weight)
     # and raises `importance_weight` once, no later than the first update whose ratio passed it.

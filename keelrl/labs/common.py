@@ -16,7 +16,7 @@ import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 if TYPE_CHECKING:
     from keelrl.config import KeelConfig
@@ -71,10 +71,32 @@ class LabResult:
     numbers: dict[str, Any]
     summary: str
     files: list[Path] = field(default_factory=list)
-    effects: dict[str, tuple[float, float | None]] = field(default_factory=dict)
+    effects: Mapping[str, tuple[float, float | None]] = field(default_factory=dict)
     """The lab's headline comparisons, each a remedy arm against its baseline on the same
     held-out tasks: name -> (the difference in strict success, its paired standard error over
-    tasks, None when undefined): `paired_effect`. `keelrl.labs.seeds` gives each a verdict."""
+    tasks, None when undefined): `paired_effect`, an `Effect` that also keeps each task's
+    difference. `keelrl.labs.seeds` gives each a verdict."""
+
+
+class Effect(tuple[float, "float | None"]):  # (difference, se): a 2-tuple to every reader
+    """(difference in strict success, its paired standard error or None), as `LabResult.effects`
+    holds it, with `tasks`: each held-out task's difference (remedy's outcome minus baseline's:
+    -1, 0 or 1), so an effect over seeds can be judged task by task (`keelrl.labs.seeds`)."""
+
+    tasks: dict[str, float]
+
+    def __new__(cls, difference: float, se: float | None, tasks: dict[str, float] | None = None) -> Effect:
+        effect = super().__new__(cls, (difference, se))
+        effect.tasks = dict(tasks or {})
+        return effect
+
+    def __getnewargs__(self) -> tuple[float, float | None, dict[str, float]]:  # copy and pickle keep the tasks
+        return self[0], self[1], self.tasks
+
+
+def task_differences(baseline: dict[str, bool], remedy: dict[str, bool]) -> dict[str, float]:
+    """Each task both evaluated -> remedy's strict outcome minus baseline's."""
+    return {task: float(remedy[task]) - float(baseline[task]) for task in sorted(set(baseline) & set(remedy))}
 
 
 def final_outcomes(run_dir: Path) -> dict[str, bool]:
@@ -82,13 +104,14 @@ def final_outcomes(run_dir: Path) -> dict[str, bool]:
     return json.loads((run_dir / "summary.json").read_text())["heldout"]["final"]["task_success"]
 
 
-def paired_effect(out: Path, baseline: str, remedy: str) -> tuple[float, float | None]:
+def paired_effect(out: Path, baseline: str, remedy: str) -> Effect:
     """Variant `remedy`'s final held-out strict success minus `baseline`'s, over the tasks both
-    evaluated, with its paired standard error (None when undefined)."""
+    evaluated, with its paired standard error (None when undefined) and each task's difference."""
     from keelrl.train.evaluation import finite_or_none, paired_difference
 
-    difference, se = paired_difference(final_outcomes(out / baseline), final_outcomes(out / remedy))
-    return difference, finite_or_none(se)
+    before, after = final_outcomes(out / baseline), final_outcomes(out / remedy)
+    difference, se = paired_difference(before, after)
+    return Effect(difference, finite_or_none(se), task_differences(before, after))
 
 
 def pyplot() -> Any:

@@ -7,17 +7,25 @@ from the same cached student; this module combines the K results.
   over seeds (n - 1), minimum, maximum and the K values (`over_seeds`).
 - Every effect a lab names (`LabResult.effects`: a remedy arm's held-out success minus its
   baseline arm's, on the same tasks, with the paired standard error over tasks) gets a verdict.
-  Its noise is sqrt(s.d.^2 / K + SE^2): the spread over seeds, shrunk by averaging K runs, and
-  the mean paired standard error over tasks, which averaging seeds does not shrink (they are
-  the same tasks). An effect whose mean is within 2 x noise of zero is called within the noise;
-  with one seed the spread over seeds is unknown and the verdict rests on the tasks alone, and
-  says so.
+  Its noise is sqrt(s.d.^2 / K + SE^2): s.d. the spread of the effect over seeds, shrunk by
+  averaging K runs; SE the standard error over tasks of each task's difference averaged over the
+  K seeds (with one seed, the paired standard error itself). Why both: write a task's difference
+  at a seed as d(t, s) = mu + a(t) + b(s) + e(t, s), with a the task's own effect (the tasks are
+  a sample), b a seed's shift of every task, e a task's outcome flipping with the seed. The mean
+  over T tasks and K seeds has variance var(a) / T + var(b) / K + var(e) / (T K); s.d.^2 / K
+  estimates var(b) / K + var(e) / (T K) and SE^2 estimates var(a) / T + var(e) / (T K), so the
+  noise counts the flips twice and nothing less: a little above the truth, never below. More
+  seeds shrink it, except for the tasks' own spread, which only more tasks shrink. Effects
+  from labs that do not keep each task's difference (an `Effect` without `tasks`) fall back to
+  the mean paired standard error, which counts the flips at K = 1. An effect whose mean is
+  within 2 x noise of zero is called within the noise; with one seed the spread over seeds is
+  unknown and the verdict rests on the tasks alone, and says so.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from keelrl.labs.common import LabResult, markdown_table
 
@@ -48,8 +56,24 @@ def over_seeds(results: Sequence[LabResult]) -> dict[str, dict[str, Any]]:
     return {path: spread([values[path] for values in leaves]) for path in common}
 
 
+def task_mean_se(per_seed: Sequence[Mapping[str, float]]) -> float | None:
+    """The standard error over tasks of each task's difference averaged over the seeds, over the
+    tasks every seed has (sample s.d. / sqrt(T)); None when a seed kept no task's difference or
+    fewer than two tasks are common."""
+    from keelrl.train.evaluation import mean_and_se  # torch: not at import
+
+    if not per_seed or not all(per_seed):
+        return None
+    tasks = sorted(set.intersection(*(set(differences) for differences in per_seed)))
+    if len(tasks) < 2:
+        return None
+    averaged = [sum(differences[task] for differences in per_seed) / len(per_seed) for task in tasks]
+    return mean_and_se(averaged)[1]
+
+
 def verdicts(results: Sequence[LabResult]) -> dict[str, dict[str, Any]]:
-    """Each effect every seed reported -> its mean, spread, mean paired SE, noise and verdict."""
+    """Each effect every seed reported -> its mean, spread, SE over tasks (`task_mean_se`, else
+    the mean paired SE), noise and verdict."""
     out = {}
     for name in results[0].effects:
         if not all(name in result.effects for result in results):
@@ -57,7 +81,9 @@ def verdicts(results: Sequence[LabResult]) -> dict[str, dict[str, Any]]:
         values = [result.effects[name][0] for result in results]
         errors = [result.effects[name][1] for result in results]
         known = [error for error in errors if error is not None and math.isfinite(error)]
-        se = sum(known) / len(known) if known else 0.0
+        se = task_mean_se([getattr(result.effects[name], "tasks", {}) for result in results])
+        if se is None:  # no task's difference kept: each seed's paired SE, averaged
+            se = sum(known) / len(known) if known else 0.0
         summary = spread(values)
         k = len(values)
         noise = math.sqrt((summary["sd"] or 0.0) ** 2 / k + se ** 2)
@@ -83,8 +109,9 @@ def effects_section(results: Sequence[LabResult]) -> str:
                      f"{v['paired_se']:.3f}", f"{v['noise']:.3f}", v["verdict"]))
     lines = ["## Effects" + (f" over {k} seeds" if k > 1 else ""), "",
              markdown_table(["effect (held-out strict success, same tasks)", "mean", "s.d. over seeds", "each seed",
-                             "paired SE over tasks", "noise", "verdict"], rows), "",
-             "Noise is sqrt(s.d.^2 / seeds + SE^2); an effect within 2 x noise of zero is within the noise."]
+                             "SE over tasks", "noise", "verdict"], rows), "",
+             "Noise is sqrt(s.d.^2 / seeds + SE^2), SE the standard error over tasks of each task's difference "
+             "averaged over the seeds; an effect within 2 x noise of zero is within the noise."]
     if k == 1:
         lines.append("One seed: the spread over seeds is unknown, so the noise here is the tasks' alone and "
                      "understates it; run `--seeds 3` or more before believing a small effect.")

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from keelrl.config import TINY_RUN
-from keelrl.labs.common import (LAB_FAST, QUICK, LabResult, config, final_outcomes, last, markdown_table, pyplot,
-                                release_memory, variant_settings, warm_model)
+from keelrl.labs.common import (LAB_FAST, QUICK, Effect, LabResult, config, final_outcomes, last, markdown_table,
+                                pyplot, release_memory, task_differences, variant_settings, warm_model)
 
 STALE = ["model.path=smollm2", "rollout.tasks_per_step=4", "train.minibatch_size=8", "algo.dynamic_sampling=false",
          "output.checkpoint_every=1000", "eval.tasks=32", "eval.every=1000", "eval.probe_tasks=0"]
@@ -159,7 +159,7 @@ def stale_training(out: Path, overrides: Sequence[str], model: Path, progress: C
     read there). Returns, per arm: held-out success, the staleness, clip fraction and largest
     importance weight of each update, the alarms its updates raised (`keelrl.alarms`, with the
     run's `monitor` settings; `AlarmEvent.as_dict` each), and the paired effects against token PPO
-    and against fresh; and the start's held-out success."""
+    (with each task's difference) and against fresh; and the start's held-out success."""
     from keelrl.alarms import AlarmMonitor
     from keelrl.config import dump_config, to_dict
     from keelrl.labs.common import train_variants
@@ -216,6 +216,8 @@ def stale_training(out: Path, overrides: Sequence[str], model: Path, progress: C
             if name != baseline:
                 difference, se = paired_difference(outcomes[baseline], outcomes[name])
                 arm[f"effect_vs_{baseline.replace(' ', '_')}"] = [difference, finite_or_none(se)]
+        if name != "token PPO":  # each task's difference, for the verdict over seeds
+            arm["tasks_vs_token_PPO"] = task_differences(outcomes["token PPO"], outcomes[name])
         difference, se = paired_difference(start_outcomes, outcomes[name])
         arm["lift"] = [difference, finite_or_none(se)]
     return {"start": start, "updates": updates, "arms": arms}
@@ -393,8 +395,11 @@ def lab_stale_ratios(out: Path, overrides: Sequence[str], quick: bool,
         f"{unlimited['trajectory_ess_frac'][1] * episodes:.1f} and "
         f"{unlimited['trajectory_ess_frac'][staleness] * episodes:.1f} episodes of {episodes}). "
         "", *training_section(training, int(cfg.eval.tasks)), "", f"Chart: {chart.name}"])
-    effects = {f"{name} - token PPO": tuple(arm["effect_vs_token_PPO"]) for name, arm in training["arms"].items()
-               if name != "token PPO"}
+    effects: dict[str, Effect] = {}
+    for name, arm in training["arms"].items():
+        if name != "token PPO":
+            difference, se = arm["effect_vs_token_PPO"]
+            effects[f"{name} - token PPO"] = Effect(difference, se, arm["tasks_vs_token_PPO"])
     return LabResult("stale-ratios", results, summary, [chart], effects)
 
 
