@@ -424,6 +424,12 @@ def test_the_no_dynamic_arm_matches_the_dynamic_arms_sampled_rollouts():
     assert groups_with_signal(kept, cfg) == 5
     zeros = [{"step": k, "train/zero_advantage_frac": frac} for k, frac in ((1, 0.5), (2, 1.0), (3, 0.0))]
     assert groups_with_signal(zeros, cfg) == 3
+    # The summaries name the reference KL the arms ran with, the user's override included.
+    from keelrl.labs.common import kl_anchor
+
+    assert kl_anchor(cfg) == "no KL anchor"
+    assert kl_anchor(load_config(overrides=[*lab_settings("dynamic-sampling"), "algo.kl_coef=0.04"])) == (
+        "a reference KL of 0.04 (k3)")
     # The format: an arm that went from a well-formed start to 47% malformed broke it; 30% is the line.
     arms = {"dynamic": {"malformed_before": 0.014, "malformed_after": 0.472},
             "no-dynamic": {"malformed_before": 0.014, "malformed_after": 0.299}}
@@ -506,7 +512,7 @@ def test_smollm2_labs_run_on_the_tiny_model_with_quick(tmp_path, name):
     assert plain["groups_with_signal"] == pytest.approx(sum(2 * (1 - row["train/zero_advantage_frac"])
                                                             for row in rows if "train/zero_advantage_frac" in row))
     assert 0 <= dynamic["malformed_after"] <= 1 and 0 <= plain["malformed_after"] <= 1
-    assert "GRPO (no reference KL)" in result.summary and "groups with signal against" in result.summary
+    assert "GRPO (no KL anchor)" in result.summary and "groups with signal against" in result.summary
     start_malformed = dynamic["malformed_before"]  # the tiny start seldom writes the format at all
     assert plain["malformed_before"] == start_malformed and 0 <= start_malformed <= 1
     assert ("The start itself does not write the tool-call format" in result.summary) == (start_malformed >= 0.3)

@@ -114,6 +114,12 @@ def paired_effect(out: Path, baseline: str, remedy: str) -> Effect:
     return Effect(difference, finite_or_none(se), task_differences(before, after))
 
 
+def kl_anchor(cfg: Any) -> str:
+    """How a lab's summary names the reference KL its runs trained with (`cfg.algo`)."""
+    coef = cfg.algo.kl_coef
+    return "no KL anchor" if coef == 0 else f"a reference KL of {coef:g} ({cfg.algo.kl_estimator})"
+
+
 def pyplot() -> Any:
     import matplotlib
 

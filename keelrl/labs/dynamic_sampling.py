@@ -18,8 +18,8 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from keelrl.labs.common import (CODING_QUICK, LabResult, config, effect_sentence, first, last, markdown_table, mean,
-                                paired_effect, plot_variants, series, share_start, steps_run, train_variants,
+from keelrl.labs.common import (CODING_QUICK, LabResult, config, effect_sentence, first, kl_anchor, last, markdown_table,
+                                mean, paired_effect, plot_variants, series, share_start, steps_run, train_variants,
                                 variant_record)
 
 DYNAMIC = ["model.path=smollm2", "algo.preset=grpo", "algo.kl_coef=0", "rollout.tasks_per_step=2",
@@ -123,12 +123,11 @@ def lab_dynamic_sampling(out: Path, overrides: Sequence[str], quick: bool,
                           "step_s_mean": mean([v for _, v in series(rows, "time/step_s")])}
     dyn, plain = numbers["dynamic"], numbers["no-dynamic"]
     effect = paired_effect(out, "no-dynamic", "dynamic")
-    tasks, kl = config(out, overrides).eval.tasks, dynamic_cfg.algo.kl_coef
-    anchor = "no reference KL" if kl == 0 else f"a reference KL of {kl:g}, {dynamic_cfg.algo.kl_estimator}"
+    tasks = config(out, overrides).eval.tasks
     broke = format_sentences(numbers)
     summary = "\n".join([
         "# Lab: dynamic sampling", "",
-        f"GRPO ({anchor}) from one warm-started student: `dynamic` for {dyn['steps']} steps with DAPO's "
+        f"GRPO ({kl_anchor(dynamic_cfg)}) from one warm-started student: `dynamic` for {dyn['steps']} steps with DAPO's "
         f"dynamic sampling, then `no-dynamic` for {plain['steps']} steps without it, the steps that make the same "
         f"number of sampled rollouts ({dyn['rollouts_sampled']} and {plain['rollouts_sampled']}). Held-out: "
         f"{tasks} tasks, greedy, strict success, evaluated once at the start and at each arm's end.", "",

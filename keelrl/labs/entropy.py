@@ -14,8 +14,8 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from keelrl.labs.common import (CODING_LAB, CODING_QUICK, LabResult, alarms, config, effect_sentence, first, last, markdown_table,
-                                mean, paired_effect, plot_variants, replayed_alarms, series, share_start, steps_run,
+from keelrl.labs.common import (CODING_LAB, CODING_QUICK, LabResult, alarms, config, effect_sentence, first, kl_anchor, last,
+                                markdown_table, mean, paired_effect, plot_variants, replayed_alarms, series, share_start, steps_run,
                                 train_variants, variant_record, warm_tokenizer)
 
 ENTROPY_CODING = [*CODING_LAB, "train.steps=4", "monitor.window=2"]
@@ -95,7 +95,7 @@ def lab_entropy(out: Path, overrides: Sequence[str], quick: bool, progress: Call
     raised = bonus["entropy_last"] > 1.25 * plain["entropy_last"]
     summary = "\n".join([
         "# Lab: entropy", "",
-        f"One warm-started student, then {steps} steps of GRPO with no KL anchor at lr {cfg.optim.lr:g}: `cold` samples "
+        f"One warm-started student, then {steps} steps of GRPO with {kl_anchor(cfg)} at lr {cfg.optim.lr:g}: `cold` samples "
         f"its rollouts at temperature {COLD:g}, `bonus` the same with an entropy bonus (coefficient {BONUS:g}), `warm` at "
         f"the labs' own temperature. Entropy is the sampled actions' mean token entropy at each arm's temperature (the "
         f"learner scores at it); distinct patches: how many different final files the {group} attempts at a task "
@@ -142,7 +142,8 @@ def lab_entropy_guess(out: Path, overrides: Sequence[str], quick: bool, progress
                           "reward_last3": mean([v for _, v in series(rows, "train/reward")[-3:]]),
                           "eval_before": first(rows, "eval/success"), "eval_after": last(rows, "eval/success"),
                           "alarms": alarms(out / label)}
-    lr = config(out, overrides).optim.lr
+    guess_cfg = config(out, overrides)
+    lr = guess_cfg.optim.lr
     plain = numbers["no-bonus"]
     fell = plain["entropy_min"] < 0.5 * plain["entropy_first"]
     uniform = math.log(len(warm_tokenizer(out)))
@@ -158,7 +159,7 @@ def lab_entropy_guess(out: Path, overrides: Sequence[str], quick: bool, progress
 
     summary = "\n".join([
         "# Lab: entropy (guessing game)", "",
-        f"The guessing game (1..16, 5 guesses), GRPO at lr {lr:g} with no KL anchor for {steps} steps from one "
+        f"The guessing game (1..16, 5 guesses), GRPO at lr {lr:g} with {kl_anchor(guess_cfg)} for {steps} steps from one "
         "warm start, without an entropy bonus and with two coefficients. Distinct answers: distinct guess "
         "sequences among a group's attempts (1 = the group explores nothing).", "",
         markdown_table(["variant", "entropy first", "entropy last", "entropy min", "distinct answers first",
