@@ -56,7 +56,7 @@ def test_with_each_tasks_difference_the_tasks_error_is_that_of_the_seeds_mean_pe
     se = math.sqrt(4 * 0.25 / 3 / 4)
     seeds = [result({}, {"x": Effect(0.5, se, first)}), result({}, {"x": Effect(0.5, se, second)})]
     found = verdicts(seeds)["x"]
-    assert found["paired_se"] == pytest.approx(math.sqrt(0.5 / 3 / 4)) and found["sd"] == 0
+    assert found["se_over_tasks"] == pytest.approx(math.sqrt(0.5 / 3 / 4)) and found["sd"] == 0
     assert found["noise"] == pytest.approx(0.2041, abs=1e-4) and found["verdict"] == "helped"
     plain = verdicts([result({}, {"x": (0.5, se)}), result({}, {"x": (0.5, se)})])["x"]  # no tasks kept
     assert plain["noise"] == pytest.approx(se) and plain["verdict"] == "within the noise"
@@ -69,7 +69,7 @@ def test_with_each_tasks_difference_the_tasks_error_is_that_of_the_seeds_mean_pe
 def test_the_noise_against_a_float64_reference_on_simulated_flips():
     """d(t, s) = mu + a(t) + b(s) + e(t, s) drawn many times: the noise's square, averaged over
     draws, is the mean's variance over draws plus var(e) / (T K) (the flips counted twice),
-    within sampling error; the mean paired SE's noise stays above it by about var(e) / T."""
+    within sampling error; the mean paired SE's noise stays above it by about (1 - 1/K) var(e) / T."""
     import numpy as np
 
     from keelrl.labs.common import Effect

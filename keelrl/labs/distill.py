@@ -3,8 +3,9 @@
 Three runs from the same student, with the same seed, tasks and number of student rollouts per
 step:
 
-- grpo: plain GRPO on the strict reward (a group that all fails has no advantage to follow);
-- on-policy: GRPO plus on-policy distillation from a stronger checkpoint (`distill.mode=on_policy`,
+- grpo: plain RL on the strict reward with the default run's algorithm (turn-level RLOO, a group
+  baseline: a group that all fails has no advantage to follow; the arm keeps the name `grpo`);
+- on-policy: the same plus on-policy distillation from a stronger checkpoint (`distill.mode=on_policy`,
   `distill.form=loss`: the reverse KL to the teacher's next-token distribution at every token
   the student sampled);
 - self (OPSD): the same loss with the student itself as teacher, shown the task's reference fix.
@@ -24,7 +25,7 @@ verifier) is measured on the same tasks before RL and every `eval.every` steps. 
 is evaluated once, in the first variant's run: the three start from the same weights and greedy
 decoding is deterministic, so the other two reuse that figure (`eval.before_rl=false`)
 and each variant's change is paired against it. The summary reports each variant's change with
-its paired standard error and says plainly when none is distinguishable from GRPO's.
+its paired standard error and says plainly when none is distinguishable from the `grpo` arm's.
 
 Every variant makes `train.minibatch_size=4`-trajectory updates (4 optimizer steps per RL step,
 one group each) at `optim.lr=5e-5`: four steps of one update each at the default 2e-5 are too
@@ -105,11 +106,13 @@ def lab_distill(out: Path, overrides: Sequence[str], quick: bool, progress: Call
 def distill_summary(out: Path, labels: Sequence[str], teacher: str, student: str) -> LabResult:
     """The lab's chart, numbers and summary from its run directories out/LABEL (metrics.jsonl and
     summary.json); the first label's run holds the shared start's evaluation."""
+    from keelrl.config import load_config
     from keelrl.runs import read_metrics
     from keelrl.train.evaluation import finite_or_none, paired_difference
 
     summaries = {label: json.loads((out / label / "summary.json").read_text()) for label in labels}
     reference = labels[0]
+    preset = load_config(out / reference / "config.yaml").algo.preset  # what the arms ran
     start_report = summaries[reference]["heldout"]["warm_start"]
     start_row = next(row for row in read_metrics(out / reference) if row["step"] == 0)
     runs = {label: read_metrics(out / label) if label == reference else [start_row, *read_metrics(out / label)]
@@ -155,7 +158,8 @@ def distill_summary(out: Path, labels: Sequence[str], teacher: str, student: str
                        "it on more fixes (STUDENT_DEMOS) or give a student that writes the format (model.path=).")
     summary_md = "\n".join([
         "# Lab: learning from a teacher", "",
-        f"The same student (`{student}`), seed and tasks; {steps} RL steps of GRPO each, plain, with on-policy "
+        f"The same student (`{student}`), seed and tasks; {steps} RL steps of `{preset}` each, plain (`{reference}`), "
+        f"with on-policy "
         f"distillation from `{teacher}`, and with self-distillation (the student shown the reference fix). "
         "Held-out strict success on the same tasks before RL (evaluated once) and during it.", "",
         markdown_table(["variant", "held-out before", "held-out after", "change (paired SE)",

@@ -1,8 +1,8 @@
 """Lab entropy: exploration collapse on SmolLM2 as the default five-turn coding agent (the default
-run's cached warm start; `--quick`: the tiny model). Three arms of GRPO with no KL anchor from one
-student: `cold` samples its rollouts at a temperature low enough that a group's attempts stop
+run's cached warm start; `--quick`: the tiny model). Three arms of the default run's algorithm
+(turn-level RLOO, a group baseline) with no KL anchor from one student: `cold` samples its rollouts at a temperature low enough that a group's attempts stop
 differing (entropy under the collapse alarm's floor, groups writing the same file, most groups
-all-equal so GRPO has nothing to compare), `bonus` adds an entropy bonus at that temperature (the
+all-equal so the group baseline has nothing to compare), `bonus` adds an entropy bonus at that temperature (the
 lecture's remedy), `warm` samples at the labs' own temperature (the default run's). Reported: mean
 token entropy per step, distinct patches per group (how many different final files a task's
 attempts wrote), the zero-advantage share, the entropy-collapse alarm's steps, held-out success.
@@ -42,7 +42,7 @@ def entropy_figures(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def lab_entropy(out: Path, overrides: Sequence[str], quick: bool, progress: Callable[[str], None]) -> LabResult:
-    """GRPO without a KL anchor from one student: sampling at a collapsing temperature, the same
+    """The default run's algorithm without a KL anchor from one student: sampling at a collapsing temperature, the same
     with an entropy bonus, and sampling at the labs' own temperature."""
     cold = f"rollout.temperature={COLD:g}"
     variants = {"cold": [cold, "algo.entropy_coef=0"],
@@ -88,14 +88,15 @@ def lab_entropy(out: Path, overrides: Sequence[str], quick: bool, progress: Call
         return (f"- `{label}` (temperature {v['temperature']:g}, bonus {v['entropy_coef']:g}): entropy "
                 f"{v['entropy_first']:.3g} -> {v['entropy_last']:.3g} (floor {floor:g}), {alarm}; "
                 f"{v['distinct_patches_mean']:.3g} distinct final files per group of {group} on average; "
-                f"{v['zero_advantage_frac']:.0%} of groups all-equal (nothing for GRPO to compare); held-out "
+                f"{v['zero_advantage_frac']:.0%} of groups all-equal (nothing for the group baseline to compare); held-out "
                 f"{v['eval_before']:.3g} -> {v['eval_after']:.3g}, {v['malformed_after']:.0%} of its actions malformed.")
 
     plain, bonus = numbers["cold"], numbers["bonus"]
     raised = bonus["entropy_last"] > 1.25 * plain["entropy_last"]
     summary = "\n".join([
         "# Lab: entropy", "",
-        f"One warm-started student, then {steps} steps of GRPO with {kl_anchor(cfg)} at lr {cfg.optim.lr:g}: `cold` samples "
+        f"One warm-started student, then {steps} steps of `{cfg.algo.preset}` with {kl_anchor(cfg)} at lr "
+        f"{cfg.optim.lr:g}: `cold` samples "
         f"its rollouts at temperature {COLD:g}, `bonus` the same with an entropy bonus (coefficient {BONUS:g}), `warm` at "
         f"the labs' own temperature. Entropy is the sampled actions' mean token entropy at each arm's temperature (the "
         f"learner scores at it); distinct patches: how many different final files the {group} attempts at a task "
@@ -142,7 +143,9 @@ def lab_entropy_guess(out: Path, overrides: Sequence[str], quick: bool, progress
                           "reward_last3": mean([v for _, v in series(rows, "train/reward")[-3:]]),
                           "eval_before": first(rows, "eval/success"), "eval_after": last(rows, "eval/success"),
                           "alarms": alarms(out / label)}
-    guess_cfg = config(out, overrides)
+    from keelrl.config import load_config
+
+    guess_cfg = load_config(out / "no-bonus" / "config.yaml")  # what the arms ran: the variants set the KL
     lr = guess_cfg.optim.lr
     plain = numbers["no-bonus"]
     fell = plain["entropy_min"] < 0.5 * plain["entropy_first"]

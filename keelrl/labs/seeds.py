@@ -14,8 +14,10 @@ from the same cached student; this module combines the K results.
   a sample), b a seed's shift of every task, e a task's outcome flipping with the seed. The mean
   over T tasks and K seeds has variance var(a) / T + var(b) / K + var(e) / (T K); s.d.^2 / K
   estimates var(b) / K + var(e) / (T K) and SE^2 estimates var(a) / T + var(e) / (T K), so the
-  noise counts the flips twice and nothing less: a little above the truth, never below. More
-  seeds shrink it, except for the tasks' own spread, which only more tasks shrink. Effects
+  noise counts the flips twice: in expectation its square is the mean's variance plus
+  var(e) / (T K), up to twice the variance where flips are all of it (any one estimate can still
+  fall below). More seeds shrink it, except for the tasks' own spread, which only more tasks
+  shrink. Effects
   from labs that do not keep each task's difference (an `Effect` without `tasks`) fall back to
   the mean paired standard error, which counts the flips at K = 1. An effect whose mean is
   within 2 x noise of zero is called within the noise; with one seed the spread over seeds is
@@ -92,7 +94,7 @@ def verdicts(results: Sequence[LabResult]) -> dict[str, dict[str, Any]]:
             verdict = "helped" if summary["mean"] > 0 else "hurt"
         else:
             verdict = "within the noise"
-        out[name] = {**summary, "paired_se": se, "noise": noise, "verdict": verdict, "seeds": k}
+        out[name] = {**summary, "se_over_tasks": se, "noise": noise, "verdict": verdict, "seeds": k}
     return out
 
 
@@ -106,7 +108,7 @@ def effects_section(results: Sequence[LabResult]) -> str:
     for name, v in found.items():
         sd = "-" if v["sd"] is None else f"{v['sd']:.3f}"
         rows.append((name, f"{v['mean']:+.3f}", sd, " ".join(f"{x:+.3f}" for x in v["values"]),
-                     f"{v['paired_se']:.3f}", f"{v['noise']:.3f}", v["verdict"]))
+                     f"{v['se_over_tasks']:.3f}", f"{v['noise']:.3f}", v["verdict"]))
     lines = ["## Effects" + (f" over {k} seeds" if k > 1 else ""), "",
              markdown_table(["effect (held-out strict success, same tasks)", "mean", "s.d. over seeds", "each seed",
                              "SE over tasks", "noise", "verdict"], rows), "",

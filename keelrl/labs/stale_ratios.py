@@ -216,8 +216,10 @@ def stale_training(out: Path, overrides: Sequence[str], model: Path, progress: C
             if name != baseline:
                 difference, se = paired_difference(outcomes[baseline], outcomes[name])
                 arm[f"effect_vs_{baseline.replace(' ', '_')}"] = [difference, finite_or_none(se)]
-        if name != "token PPO":  # each task's difference, for the verdict over seeds
-            arm["tasks_vs_token_PPO"] = task_differences(outcomes["token PPO"], outcomes[name])
+        if name != "token PPO":  # each task's difference, for the verdict over seeds ([task, d] pairs: a
+            # list, so the numbers over seeds leave them out)
+            arm["tasks_vs_token_PPO"] = [list(pair) for pair in task_differences(outcomes["token PPO"],
+                                                                                 outcomes[name]).items()]
         difference, se = paired_difference(start_outcomes, outcomes[name])
         arm["lift"] = [difference, finite_or_none(se)]
     return {"start": start, "updates": updates, "arms": arms}
@@ -399,7 +401,7 @@ def lab_stale_ratios(out: Path, overrides: Sequence[str], quick: bool,
     for name, arm in training["arms"].items():
         if name != "token PPO":
             difference, se = arm["effect_vs_token_PPO"]
-            effects[f"{name} - token PPO"] = Effect(difference, se, arm["tasks_vs_token_PPO"])
+            effects[f"{name} - token PPO"] = Effect(difference, se, dict(arm["tasks_vs_token_PPO"]))
     return LabResult("stale-ratios", results, summary, [chart], effects)
 
 
