@@ -44,10 +44,15 @@ def test_an_effect_is_called_within_the_noise_from_the_seeds_spread_and_the_task
 
 
 def test_with_each_tasks_difference_the_tasks_error_is_that_of_the_seeds_mean_per_task():
-    from keelrl.labs.common import Effect, task_differences
+    from keelrl.labs.common import Effect, outcome_effect, task_differences
     from keelrl.labs.seeds import task_mean_se
 
     assert task_differences({"a": True, "b": False, "c": True}, {"a": False, "b": True, "d": True}) == {"a": -1.0, "b": 1.0}
+    # The effect of those outcomes: mean 0 over the two common tasks, SE sqrt((1 + 1) / 1 / 2) = 1;
+    # one common task leaves the SE undefined (None).
+    effect = outcome_effect({"a": True, "b": False, "c": True}, {"a": False, "b": True, "d": True})
+    assert tuple(effect) == (0.0, 1.0) and effect.tasks == {"a": -1.0, "b": 1.0}
+    assert tuple(outcome_effect({"a": False}, {"a": True})) == (1.0, None)
     # Two seeds, four tasks: differences 1, 0, 0, 1 and 0, 0, 1, 1 (each seed +0.5, paired SE
     # sqrt((4 x 0.25) / 3 / 4) = 0.2887). Averaged per task: 0.5, 0, 0.5, 1, s.d. sqrt(0.5 / 3),
     # SE 0.2041. The seeds agree (s.d. 0), so the noise is 0.2041 and +0.5 > 2 x 0.2041 helped;

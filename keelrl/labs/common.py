@@ -99,6 +99,16 @@ def task_differences(baseline: dict[str, bool], remedy: dict[str, bool]) -> dict
     return {task: float(remedy[task]) - float(baseline[task]) for task in sorted(set(baseline) & set(remedy))}
 
 
+def outcome_effect(baseline: dict[str, bool], remedy: dict[str, bool]) -> Effect:
+    """`remedy`'s per-task strict outcomes against `baseline`'s: the mean of `task_differences`,
+    its standard error (None when undefined) and the differences themselves."""
+    from keelrl.train.evaluation import finite_or_none, mean_and_se
+
+    tasks = task_differences(baseline, remedy)
+    difference, se = mean_and_se(list(tasks.values()))
+    return Effect(difference, finite_or_none(se), tasks)
+
+
 def final_outcomes(run_dir: Path) -> dict[str, bool]:
     """The per-task strict outcomes of a run's last held-out evaluation (summary.json)."""
     return json.loads((run_dir / "summary.json").read_text())["heldout"]["final"]["task_success"]
@@ -107,11 +117,7 @@ def final_outcomes(run_dir: Path) -> dict[str, bool]:
 def paired_effect(out: Path, baseline: str, remedy: str) -> Effect:
     """Variant `remedy`'s final held-out strict success minus `baseline`'s, over the tasks both
     evaluated, with its paired standard error (None when undefined) and each task's difference."""
-    from keelrl.train.evaluation import finite_or_none, paired_difference
-
-    before, after = final_outcomes(out / baseline), final_outcomes(out / remedy)
-    difference, se = paired_difference(before, after)
-    return Effect(difference, finite_or_none(se), task_differences(before, after))
+    return outcome_effect(final_outcomes(out / baseline), final_outcomes(out / remedy))
 
 
 def kl_anchor(cfg: Any) -> str:

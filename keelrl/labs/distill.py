@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from keelrl.labs.common import (USER_OVERRIDES, LabResult, cached_student, config, first, last, markdown_table, mean,
-                                paired_effect, plot_variants, series, steps_run, train_variant, variant_settings)
+                                outcome_effect, plot_variants, series, steps_run, train_variant, variant_settings)
 from keelrl.runs import SUMMARY
 
 DISTILL = ["model.path=smollm2", "rollout.engine=sync", "rollout.tasks_per_step=4", "rollout.group_size=4",
@@ -167,4 +167,4 @@ def distill_summary(out: Path, labels: Sequence[str], teacher: str, student: str
                         "malformed actions (last step)", "KL to teacher per token (first -> last step)"], rows), "",
         " ".join(verdict), "", f"Chart: {chart.name}"])
     return LabResult("distill", numbers, summary_md, [chart],
-                     {f"{label} - {reference}": paired_effect(out, reference, label) for label in others})
+                     {f"{label} - {reference}": outcome_effect(finals[reference], finals[label]) for label in others})

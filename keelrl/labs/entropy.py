@@ -1,9 +1,10 @@
 """Lab entropy: exploration collapse on SmolLM2 as the default five-turn coding agent (the default
 run's cached warm start; `--quick`: the tiny model). Three arms of the default run's algorithm
-(turn-level RLOO, a group baseline) with no KL anchor from one student: `cold` samples its rollouts at a temperature low enough that a group's attempts stop
-differing (entropy under the collapse alarm's floor, groups writing the same file, most groups
-all-equal so the group baseline has nothing to compare), `bonus` adds an entropy bonus at that temperature (the
-lecture's remedy), `warm` samples at the labs' own temperature (the default run's). Reported: mean
+(turn-level RLOO, a group baseline) with no KL anchor from one student: `cold` samples its
+rollouts at a temperature low enough that a group's attempts stop differing (entropy under the
+collapse alarm's floor, groups writing the same file, most groups all-equal so the group baseline
+has nothing to compare), `bonus` adds an entropy bonus at that temperature (the lecture's
+remedy), `warm` samples at the labs' own temperature (the default run's). Reported: mean
 token entropy per step, distinct patches per group (how many different final files a task's
 attempts wrote), the zero-advantage share, the entropy-collapse alarm's steps, held-out success.
 `entropy-guess` runs the guessing game's version (three arms)."""
@@ -42,8 +43,8 @@ def entropy_figures(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def lab_entropy(out: Path, overrides: Sequence[str], quick: bool, progress: Callable[[str], None]) -> LabResult:
-    """The default run's algorithm without a KL anchor from one student: sampling at a collapsing temperature, the same
-    with an entropy bonus, and sampling at the labs' own temperature."""
+    """The default run's algorithm without a KL anchor from one student: sampling at a collapsing
+    temperature, the same with an entropy bonus, and sampling at the labs' own temperature."""
     cold = f"rollout.temperature={COLD:g}"
     variants = {"cold": [cold, "algo.entropy_coef=0"],
                 "bonus": [cold, f"algo.entropy_coef={BONUS:g}", "eval.before_rl=false"],

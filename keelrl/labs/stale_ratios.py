@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 from keelrl.config import TINY_RUN
 from keelrl.labs.common import (LAB_FAST, QUICK, Effect, LabResult, config, final_outcomes, last, markdown_table,
-                                pyplot, release_memory, task_differences, variant_settings, warm_model)
+                                outcome_effect, pyplot, release_memory, variant_settings, warm_model)
 
 STALE = ["model.path=smollm2", "rollout.tasks_per_step=4", "train.minibatch_size=8", "algo.dynamic_sampling=false",
          "output.checkpoint_every=1000", "eval.tasks=32", "eval.every=1000", "eval.probe_tasks=0"]
@@ -165,7 +165,6 @@ def stale_training(out: Path, overrides: Sequence[str], model: Path, progress: C
     from keelrl.labs.common import train_variants
     from keelrl.metrics import MetricsLogger
     from keelrl.runs import CONFIG, atomic_write_text, clear_outputs, read_alarms
-    from keelrl.train.evaluation import finite_or_none, paired_difference
     from keelrl.train.trainer import Trainer
 
     base = [*overrides, *variant_settings(), f"model.path={model}", "warm_start.demos=0"]
@@ -214,14 +213,12 @@ def stale_training(out: Path, overrides: Sequence[str], model: Path, progress: C
     for name, arm in arms.items():
         for baseline in ("token PPO", "fresh"):
             if name != baseline:
-                difference, se = paired_difference(outcomes[baseline], outcomes[name])
-                arm[f"effect_vs_{baseline.replace(' ', '_')}"] = [difference, finite_or_none(se)]
-        if name != "token PPO":  # each task's difference, for the verdict over seeds ([task, d] pairs: a
-            # list, so the numbers over seeds leave them out)
-            arm["tasks_vs_token_PPO"] = [list(pair) for pair in task_differences(outcomes["token PPO"],
-                                                                                 outcomes[name]).items()]
-        difference, se = paired_difference(start_outcomes, outcomes[name])
-        arm["lift"] = [difference, finite_or_none(se)]
+                effect = outcome_effect(outcomes[baseline], outcomes[name])
+                arm[f"effect_vs_{baseline.replace(' ', '_')}"] = list(effect)
+                if baseline == "token PPO":  # each task's difference, for the verdict over seeds ([task, d]
+                    # pairs: a list, so the numbers over seeds leave them out)
+                    arm["tasks_vs_token_PPO"] = [list(pair) for pair in effect.tasks.items()]
+        arm["lift"] = list(outcome_effect(start_outcomes, outcomes[name]))
     return {"start": start, "updates": updates, "arms": arms}
 
 
