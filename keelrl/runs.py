@@ -28,6 +28,7 @@ is written so that the kill leaves either the old state or the new one, never a 
 - `latest_checkpoint(run_dir)`: the folder the pointer names; None when there is no pointer,
   `CheckpointError` when the pointer is unreadable or names a folder that is gone.
 - `truncate_jsonl(path, step)`: a resumed run's logs keep the lines up to its checkpoint.
+- `drop_steps_after(run_dir, step)`: a resumed run's per-step files after its checkpoint go.
 
 What this does not guarantee: a disk that lies about fsync, or someone editing the folder by
 hand. Files a resume does not read (samples/, plots/, TensorBoard events) are plain writes.
@@ -177,13 +178,32 @@ def sample_path(run_dir: str | Path, step: int) -> Path:
 
 
 def clear_outputs(run_dir: str | Path) -> None:
-    """A fresh start in an old run directory: an earlier run's logs and episodes go (its
-    checkpoints go first, by `forget_checkpoints`)."""
+    """A fresh start in an old run directory: an earlier run's logs, summary, plots and every
+    step's files go (its checkpoints go first, by `forget_checkpoints`), so nothing of it can
+    pass for the new run's, in `keel view` or in a lab that reads summary.json."""
     run_dir = Path(run_dir)
-    for stale in (METRICS, ALARMS):
+    for stale in (METRICS, ALARMS, SUMMARY):
         (run_dir / stale).unlink(missing_ok=True)
-    for old in (run_dir / EPISODES).glob("step_*.jsonl"):
-        old.unlink()
+    for plot in (run_dir / PLOTS).glob("*.png"):
+        plot.unlink()
+    drop_steps_after(run_dir, -1)
+
+
+def drop_steps_after(run_dir: str | Path, step: int) -> list[Path]:
+    """Remove the per-step files of every step after `step`: episodes/step_NNNN.jsonl,
+    samples/step_NNNN.txt and alarms/NAME_step_NNNN.txt. A run resumed at its step-`step`
+    checkpoint writes those steps again, but an alarm that does not fire again, or a step that
+    no longer samples, would leave the killed run's file behind. -> the files removed."""
+    run_dir = Path(run_dir)
+    patterns = ((EPISODES, "step_*.jsonl"), (SAMPLES, "step_*.txt"), (ALARM_SAMPLES, "*_step_*.txt"))
+    gone = []
+    for folder, pattern in patterns:
+        for path in sorted((run_dir / folder).glob(pattern)):
+            number = path.stem.rpartition("step_")[2]
+            if number.isdigit() and int(number) > step:
+                path.unlink()
+                gone.append(path)
+    return gone
 
 
 # ----------------------------------------------------------------- episodes

@@ -18,8 +18,8 @@ from conftest import FAST_RUN, keel_cli
 
 from keelrl.config import TINY_RUN, LogConfig
 from keelrl.metrics import MetricsLogger
-from keelrl.runs import truncate_jsonl
-from keelrl.runs import CheckpointError, atomic_write_text, latest_checkpoint, save_checkpoint
+from keelrl.runs import (CheckpointError, atomic_write_text, clear_outputs, drop_steps_after, latest_checkpoint,
+                         save_checkpoint, truncate_jsonl)
 
 KEEL = str(Path(sys.executable).parent / "keel")
 RUN = [*TINY_RUN, *FAST_RUN, "rollout.engine=sync", "train.steps=6", "output.checkpoint_every=1", "eval.every=3",
@@ -75,6 +75,28 @@ def test_a_torn_last_metrics_line_is_dropped_and_a_corrupt_middle_line_named(tmp
     logger = MetricsLogger(tmp_path, LogConfig(sinks=["jsonl"]), resume_after=0)
     logger.log(1, {"x": 1.0})
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1]
+
+
+def _step_files(run_dir: Path) -> list[str]:
+    return sorted(str(p.relative_to(run_dir)) for folder in ("episodes", "samples", "alarms")
+                  for p in (run_dir / folder).glob("*") if p.is_file())
+
+
+def test_a_resume_drops_the_killed_runs_later_step_files_and_a_fresh_start_all_of_an_old_runs(tmp_path):
+    files = ["episodes/step_0001.jsonl", "episodes/step_0003.jsonl", "samples/step_0002.txt", "samples/step_0003.txt",
+             "alarms/collapse_step_0002.txt", "alarms/reward_divergence_step_0004.txt", "alarms/notes.txt",
+             "metrics.jsonl", "alarms.jsonl", "summary.json", "plots/reward.png", "config.yaml", "precision.json"]
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x")
+    gone = drop_steps_after(tmp_path, 2)  # resumed at the step-2 checkpoint
+    assert sorted(str(p.relative_to(tmp_path)) for p in gone) == [
+        "alarms/reward_divergence_step_0004.txt", "episodes/step_0003.jsonl", "samples/step_0003.txt"]
+    assert _step_files(tmp_path) == ["alarms/collapse_step_0002.txt", "alarms/notes.txt", "episodes/step_0001.jsonl",
+                                     "samples/step_0002.txt"]
+    clear_outputs(tmp_path)  # a fresh start: nothing of the old run's outputs but what is not its own
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert left == ["alarms/notes.txt", "config.yaml", "precision.json"]
 
 
 # ------------------------------------------------------------------ kill and resume
@@ -164,6 +186,7 @@ def test_a_run_killed_at_random_moments_ends_like_an_uninterrupted_one(tiny_mode
         assert want.keys() == have.keys()
         for key, value in want.items():
             assert have[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (want["step"], key)
+    assert _step_files(run_dir) == _step_files(whole)  # no later step's file of a killed life is left
     summary, reference = (json.loads((folder / "summary.json").read_text()) for folder in (run_dir, whole))
     assert summary["steps"] == 6
     for key in ("success", "partial"):

@@ -62,8 +62,8 @@ from keelrl.rollout.engines import RolloutEngine, StepRollouts
 from keelrl.rollout.scheduler import GroupRequest
 from keelrl.rollout.trajectory import collate
 from keelrl.serve.sessions import UNFINISHED
-from keelrl.runs import (ALARMS, CONFIG, atomic_write_text, clear_outputs, forget_checkpoints, read_metrics,
-                         truncate_jsonl)
+from keelrl.runs import (ALARMS, CONFIG, atomic_write_text, clear_outputs, drop_steps_after, forget_checkpoints,
+                         read_metrics, truncate_jsonl)
 from keelrl.sinks import check_sinks
 from keelrl.train import state
 from keelrl.train.advantage import AdvantageStage, arrival_stats
@@ -437,6 +437,7 @@ class Trainer:
     def _resume(self, monitor: AlarmMonitor) -> None:
         state.load_reference(self)
         truncate_jsonl(self.run_dir / ALARMS, self.step)
+        drop_steps_after(self.run_dir, self.step)  # the killed run's later steps are written again, or not at all
         for old in read_metrics(self.run_dir):  # replay: alarms that fired before stay fired
             monitor.update(int(old["step"]), old)
         if self.step < self.cfg.train.steps:  # resumed to go further: the old end is not the end
