@@ -343,3 +343,37 @@ def test_environment_work_is_handled_in_the_order_it_was_sent():
         assert [episode.request.index for episode in scheduler._ready] == list(range(n))
     finally:
         scheduler.close()
+
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_closed_engine_holds_neither_its_requests_source_nor_its_policy_copy(asynchronous):
+    import gc
+    import weakref
+
+    class Source:  # stands for the trainer whose method makes the requests
+        def requests_for(self, step):
+            return [GroupRequest(index=step, task=step, group_size=2, seed=step)]
+
+    source, model = Source(), torch.nn.Linear(1, 1)
+    engine = LocalEngine(source.requests_for, model=model, tokenizer=ByteTokenizer(),
+                         make_env=lambda: LatencyEnv(lambda t, k: 0.0, lambda t: 1),
+                         sampling=SamplingParams(), rollout=limits(max_turns=2),
+                         asynchronous=asynchronous, max_staleness=1, act_for=versions_actor)
+    engine.last_step = 2
+    policy = weakref.ref(engine.model)  # async: the engine's own copy; sync: the learner's model
+    assert (engine.model is model) is not asynchronous
+    source_ref = weakref.ref(source)
+    del source
+    gc.collect()
+    assert source_ref() is not None  # the open engine needs its source
+    results = run_fake_learner(engine, 2, [0.0, 0.0], model)  # ends with engine.close()
+    assert [len(r.trajectories) for r in results] == [2, 2]
+    gc.collect()
+    assert source_ref() is None  # the closed engine, still in a variable, keeps no trainer alive
+    assert (policy() is None) is asynchronous  # its own policy copy is gone; the learner's stays the caller's
+    engine.close()  # closing twice is closing once
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.batch(3)
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.more(3, [GroupRequest(index=9, task=9, group_size=2, seed=9)])

@@ -90,6 +90,10 @@ def scheduler_metrics(stats: SchedulerStats) -> dict[str, float]:
             "engine/prefill_tokens": float(stats.prefill_tokens)}
 
 
+def _closed_requests(step: int) -> list[GroupRequest]:
+    raise RuntimeError(f"the rollout engine is closed: it cannot make step {step}'s batch")
+
+
 class RolloutEngine:
     """The contract shared by all engines (see the module docstring)."""
 
@@ -147,7 +151,11 @@ class RolloutEngine:
         raise NotImplementedError
 
     def close(self) -> None:
-        pass
+        """Stop the engine's work and let go of what it holds: its `requests_for` (a trainer's
+        method holds the trainer, its model and optimiser) goes, so a closed engine left in a
+        variable keeps none of that alive. Closing twice is closing once; a closed engine's
+        batch() and more() raise RuntimeError."""
+        self.requests_for = _closed_requests
 
     def __enter__(self) -> "RolloutEngine":
         return self
@@ -181,6 +189,7 @@ class LocalEngine(RolloutEngine):
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.closed = False
 
     # ---------------------------------------------------------------- weights
     def start(self, version: int) -> None:
@@ -239,6 +248,7 @@ class LocalEngine(RolloutEngine):
             return [self._results.pop(index) for index in wanted]
 
     def batch(self, step: int) -> StepRollouts:
+        self._check_open()
         requests = self._requests(step)
         tick = time.monotonic()
         if not self.asynchronous:
@@ -257,6 +267,7 @@ class LocalEngine(RolloutEngine):
         return StepRollouts(trajectories, metrics)
 
     def more(self, step: int, requests: list[GroupRequest]) -> list[GroupResult]:
+        self._check_open()
         min_version = max(0, step - 1 - self.max_staleness)
         requests = [dataclasses.replace(r, min_version=min_version) for r in requests]
         if not self.asynchronous:
@@ -266,8 +277,21 @@ class LocalEngine(RolloutEngine):
         return self._wait(requests)
 
     def close(self) -> None:
+        """Stop the rollout thread and the scheduler (its environments closed), then drop the
+        engine's policy copy, decoder (its KV cache), weight slot, scheduler and unclaimed results."""
+        if self.closed:
+            return
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
         self.scheduler.close()
+        super().close()
+        self.closed = True
+        self.model = self.decoder = None
+        self._results.clear()
+        del self.weights, self.scheduler
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("the rollout engine is closed")

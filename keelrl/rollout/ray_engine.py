@@ -297,3 +297,4 @@ class RayEngine(RolloutEngine):
         self.actors = []
         if self._started_ray:
             self._ray.shutdown()
+        super().close()

@@ -139,6 +139,7 @@ class EndpointEngine(RolloutEngine):
         for session in list(self._open.values()):
             self._abandon(session, "the run closed the endpoint with the episode open")
         self.endpoint.close()
+        super().close()
 
     # ------------------------------------------------------------------ the endpoint's episode source
     def claim(self) -> Any:
