@@ -191,7 +191,8 @@ def clear_outputs(run_dir: str | Path) -> None:
 
 def drop_steps_after(run_dir: str | Path, step: int) -> list[Path]:
     """Remove the per-step files of every step after `step`: episodes/step_NNNN.jsonl,
-    samples/step_NNNN.txt and alarms/NAME_step_NNNN.txt. A run resumed at its step-`step`
+    samples/step_NNNN.txt and alarms/NAME_step_NNNN.txt, and in those folders the temporary
+    file of an `atomic_write_text` a kill cut short. A run resumed at its step-`step`
     checkpoint writes those steps again, but an alarm that does not fire again, or a step that
     no longer samples, would leave the killed run's file behind. -> the files removed."""
     run_dir = Path(run_dir)
@@ -203,6 +204,9 @@ def drop_steps_after(run_dir: str | Path, step: int) -> list[Path]:
             if number.isdigit() and int(number) > step:
                 path.unlink()
                 gone.append(path)
+        for debris in sorted((run_dir / folder).glob(".*.tmp-*")):
+            debris.unlink()
+            gone.append(debris)
     return gone
 
 

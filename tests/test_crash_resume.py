@@ -78,20 +78,23 @@ def test_a_torn_last_metrics_line_is_dropped_and_a_corrupt_middle_line_named(tmp
 
 
 def _step_files(run_dir: Path) -> list[str]:
+    """Every file in a run's per-step folders, a write's leftover temporary file too."""
     return sorted(str(p.relative_to(run_dir)) for folder in ("episodes", "samples", "alarms")
-                  for p in (run_dir / folder).glob("*") if p.is_file())
+                  for p in (run_dir / folder).iterdir() if p.is_file()) if run_dir.exists() else []
 
 
 def test_a_resume_drops_the_killed_runs_later_step_files_and_a_fresh_start_all_of_an_old_runs(tmp_path):
     files = ["episodes/step_0001.jsonl", "episodes/step_0003.jsonl", "samples/step_0002.txt", "samples/step_0003.txt",
              "alarms/collapse_step_0002.txt", "alarms/reward_divergence_step_0004.txt", "alarms/notes.txt",
-             "metrics.jsonl", "alarms.jsonl", "summary.json", "plots/reward.png", "config.yaml", "precision.json"]
+             "episodes/.step_0002.jsonl.tmp-123", "metrics.jsonl", "alarms.jsonl", "summary.json", "plots/reward.png",
+             "config.yaml", "precision.json"]
     for name in files:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("x")
-    gone = drop_steps_after(tmp_path, 2)  # resumed at the step-2 checkpoint
+    gone = drop_steps_after(tmp_path, 2)  # resumed at the step-2 checkpoint; a kill had cut a write short
     assert sorted(str(p.relative_to(tmp_path)) for p in gone) == [
-        "alarms/reward_divergence_step_0004.txt", "episodes/step_0003.jsonl", "samples/step_0003.txt"]
+        "alarms/reward_divergence_step_0004.txt", "episodes/.step_0002.jsonl.tmp-123", "episodes/step_0003.jsonl",
+        "samples/step_0003.txt"]
     assert _step_files(tmp_path) == ["alarms/collapse_step_0002.txt", "alarms/notes.txt", "episodes/step_0001.jsonl",
                                      "samples/step_0002.txt"]
     clear_outputs(tmp_path)  # a fresh start: nothing of the old run's outputs but what is not its own
@@ -174,6 +177,9 @@ def test_a_run_killed_at_random_moments_ends_like_an_uninterrupted_one(tiny_mode
             assert resumed.returncode == 2 and "nothing to resume" in resumed.stderr, resumed.stderr[-2000:]
         else:
             latest_checkpoint(run_dir)  # the pointer always names a whole checkpoint
+    for planted in ("samples/step_0099.txt", "alarms/collapse_step_0099.txt"):  # as a killed life's later
+        (run_dir / planted).parent.mkdir(parents=True, exist_ok=True)  # steps, which this resume
+        (run_dir / planted).write_text("an earlier life's")  # does not write again
     final = _start(run_dir, tiny_model_dir)  # resume, or start over when the last kill came before step 0
     _, errors = final.communicate(timeout=900)
     assert final.returncode == 0, errors[-3000:]

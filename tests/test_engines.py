@@ -373,7 +373,37 @@ def test_a_closed_engine_holds_neither_its_requests_source_nor_its_policy_copy(a
     assert source_ref() is None  # the closed engine, still in a variable, keeps no trainer alive
     assert (policy() is None) is asynchronous  # its own policy copy is gone; the learner's stays the caller's
     engine.close()  # closing twice is closing once
-    with pytest.raises(RuntimeError, match="closed"):
-        engine.batch(3)
-    with pytest.raises(RuntimeError, match="closed"):
-        engine.more(3, [GroupRequest(index=9, task=9, group_size=2, seed=9)])
+    for use in (lambda: engine.batch(3), lambda: engine.more(3, [GroupRequest(index=9, task=9, group_size=2, seed=9)]),
+                lambda: engine.start(3), lambda: engine.publish({}, 3), lambda: engine.publish_model(model, 3)):
+        with pytest.raises(RuntimeError, match="closed"):
+            use()
+
+
+def test_a_close_that_fails_still_lets_go_and_is_not_repeated():
+    import gc
+    import weakref
+
+    class Source:
+        def requests_for(self, step):
+            return [GroupRequest(index=step, task=step, group_size=2, seed=step)]
+
+    source, model = Source(), torch.nn.Linear(1, 1)
+    engine = LocalEngine(source.requests_for, model=model, tokenizer=ByteTokenizer(),
+                         make_env=lambda: LatencyEnv(lambda t, k: 0.0, lambda t: 1), sampling=SamplingParams(),
+                         rollout=limits(max_turns=2), asynchronous=True, max_staleness=1, act_for=versions_actor)
+    engine.start(0)
+    calls = []
+
+    def stuck_environments():  # as a user's environment whose close() raises
+        calls.append(1)
+        raise OSError("the sandbox would not stop")
+
+    engine.scheduler.close = stuck_environments
+    source_ref, copy_ref = weakref.ref(source), weakref.ref(engine.model)
+    del source
+    with pytest.raises(OSError, match="would not stop"):
+        engine.close()
+    gc.collect()
+    assert engine.closed and source_ref() is None and copy_ref() is None  # let go all the same
+    engine.close()  # not repeated
+    assert calls == [1]

@@ -88,11 +88,11 @@ def test_the_engine_answers_503_before_it_closes_and_410_after(tmp_path):
     from keelrl.serve.engine import EndpointEngine
 
     engine = EndpointEngine.__new__(EndpointEngine)
-    engine._cv, engine._closed, engine._tickets = threading.Condition(), False, __import__("collections").deque()
+    engine._cv, engine.closed, engine._tickets = threading.Condition(), False, __import__("collections").deque()
     engine._last_activity = 0.0
     engine.endpoint = type("E", (), {"loop": type("L", (), {"version": 0})()})()
     assert engine.claim() is None  # nothing ready: the route answers 503 (ask again), never 410 early
-    engine._closed = True
+    engine.closed = True
     with pytest.raises(RequestError) as refused:
         engine.claim()
     assert refused.value.status == 410 and refused.value.code == "run_over"

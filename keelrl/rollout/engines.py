@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -108,6 +109,8 @@ class RolloutEngine:
         self._submitted_through = 0
         self.last_step: int | None = None
         """The run's last step: requests are never sent ahead past it (a later batch() still works)."""
+        self.closed = False
+        """Set by close(): batch(), more(), start() and publish() raise RuntimeError from then on."""
 
     def _requests(self, step: int) -> list[GroupRequest]:
         min_version = max(0, step - 1 - self.max_staleness)
@@ -125,11 +128,13 @@ class RolloutEngine:
 
     def start(self, version: int) -> None:
         """The learner holds weights of `version`; the next batch asked for is step version + 1."""
+        self._check_open()
         self.version = version
         self._submitted_through = version
 
     def publish(self, state: dict[str, Any], version: int) -> None:
         """New learner weights (a merged state dict the engine may keep; pass a copy)."""
+        self._check_open()
         self.version = version
 
     def publish_model(self, model: Any, version: int) -> None:
@@ -151,11 +156,28 @@ class RolloutEngine:
         raise NotImplementedError
 
     def close(self) -> None:
-        """Stop the engine's work and let go of what it holds: its `requests_for` (a trainer's
-        method holds the trainer, its model and optimiser) goes, so a closed engine left in a
-        variable keeps none of that alive. Closing twice is closing once; a closed engine's
-        batch() and more() raise RuntimeError."""
-        self.requests_for = _closed_requests
+        """Stop the engine's work (`_shutdown`) and let go of what it holds, also when stopping
+        fails: its `requests_for` (a trainer's method holds the trainer, its model and optimiser)
+        and the engine's own references (`_release`), so a closed engine left in a variable keeps
+        none of that alive. Closing twice is closing once."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._shutdown()
+        finally:
+            self.requests_for = _closed_requests
+            self._release()
+
+    def _shutdown(self) -> None:
+        """Stop the engine's work: threads, workers, servers, environments."""
+
+    def _release(self) -> None:
+        """Drop what the stopped engine holds (after `_shutdown`, even when it failed)."""
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"the {self.name} rollout engine is closed")
 
     def __enter__(self) -> "RolloutEngine":
         return self
@@ -189,7 +211,6 @@ class LocalEngine(RolloutEngine):
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.closed = False
 
     # ---------------------------------------------------------------- weights
     def start(self, version: int) -> None:
@@ -210,6 +231,7 @@ class LocalEngine(RolloutEngine):
             self.weights.held = version
 
     def publish_model(self, model: Any, version: int) -> None:
+        self._check_open()
         if self.asynchronous:
             super().publish_model(model, version)
         else:  # the decoder samples with the learner's own model: it reads it now
@@ -225,9 +247,10 @@ class LocalEngine(RolloutEngine):
 
     # ---------------------------------------------------------------- rollouts
     def _loop(self) -> None:
+        scheduler = self.scheduler  # close() drops the engine's reference once this thread has stopped
         try:
             while not self._stop.is_set():
-                finished = self.scheduler.run_once(timeout=0.01)
+                finished = scheduler.run_once(timeout=0.01)
                 if finished:
                     with self._lock:
                         for result in finished:
@@ -276,22 +299,25 @@ class LocalEngine(RolloutEngine):
         self.scheduler.submit(requests)
         return self._wait(requests)
 
-    def close(self) -> None:
-        """Stop the rollout thread and the scheduler (its environments closed), then drop the
-        engine's policy copy, decoder (its KV cache), weight slot, scheduler and unclaimed results."""
-        if self.closed:
-            return
+    def _shutdown(self) -> None:
+        """Stop the rollout thread, then the scheduler (its environments closed) and the decoder
+        (`close()` where it has one: a vLLM decoder stops its engine and removes its scratch folder)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+            if self._thread.is_alive():  # still in a round: it stops after it, and holds its references till then
+                warnings.warn("the rollout thread did not stop within 30 s of close(); it ends after its round",
+                              RuntimeWarning, stacklevel=3)
             self._thread = None
-        self.scheduler.close()
-        super().close()
-        self.closed = True
-        self.model = self.decoder = None
-        self._results.clear()
-        del self.weights, self.scheduler
+        try:
+            self.scheduler.close()
+        finally:
+            if self.decoder is not None and hasattr(self.decoder, "close"):
+                self.decoder.close()
 
-    def _check_open(self) -> None:
-        if self.closed:
-            raise RuntimeError("the rollout engine is closed")
+    def _release(self) -> None:
+        """Drop the policy copy, decoder (its KV cache), weight slot, scheduler and unclaimed results."""
+        self.model = self.decoder = None
+        with self._lock:
+            self._results.clear()
+        del self.weights, self.scheduler

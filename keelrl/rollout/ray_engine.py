@@ -262,6 +262,7 @@ class RayEngine(RolloutEngine):
         return [self._results.pop(index) for index in wanted]
 
     def batch(self, step: int) -> StepRollouts:
+        self._check_open()
         tick = time.monotonic()
         for future_step in self._steps_to_submit(step):
             self._submit(self._requests(future_step))
@@ -281,20 +282,27 @@ class RayEngine(RolloutEngine):
         return StepRollouts(trajectories, metrics)
 
     def more(self, step: int, requests: list[GroupRequest]) -> list[GroupResult]:
+        self._check_open()
         min_version = max(0, step - 1 - self.max_staleness)
         requests = [dataclasses.replace(r, min_version=min_version) for r in requests]
         self._submit(requests)
         return self._wait([r.index for r in requests], SchedulerStats())
 
-    def close(self) -> None:
+    def _shutdown(self) -> None:
+        """Ask each worker to stop (30 s each), kill it, and shut Ray down if this engine started it."""
         self._polls.clear()
-        for actor in self.actors:
-            try:
-                self._ray.get(actor.shutdown.remote(), timeout=30)
-            except Exception:
-                pass
-            self._ray.kill(actor)
-        self.actors = []
-        if self._started_ray:
-            self._ray.shutdown()
-        super().close()
+        try:
+            for actor in self.actors:
+                try:
+                    self._ray.get(actor.shutdown.remote(), timeout=30)
+                except Exception:
+                    pass
+                self._ray.kill(actor)
+        finally:
+            self.actors = []
+            if self._started_ray:
+                self._ray.shutdown()
+
+    def _release(self) -> None:
+        self._results.clear()
+        self._weights = None

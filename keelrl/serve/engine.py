@@ -90,9 +90,6 @@ class EndpointEngine(RolloutEngine):
         self._process: subprocess.Popen | None = None
         self._log: Any = None
         self._last_activity = time.monotonic()
-        self._closed = False
-        """Set by close(): from then on harnesses asking for episodes get 410 (before, 503: dynamic
-        sampling may still ask for more groups of the last step)."""
         self._failure: BaseException | None = None
         """The verifier failed grading an episode (in an HTTP handler's thread): `batch` raises it."""
         self._counted: dict[str, int] = {}
@@ -123,10 +120,11 @@ class EndpointEngine(RolloutEngine):
         with self._cv:
             self._cv.notify_all()
 
-    def close(self) -> None:
+    def _shutdown(self) -> None:
+        """Close the run to harnesses (410 from then on), stop the harness process, abandon the
+        open episodes and stop the endpoint's server."""
         with self._cv:
             self._tickets.clear()
-            self._closed = True  # the run is over: harnesses asking for more hear so (410)
             self._cv.notify_all()
         if self._process is not None:
             self._process.terminate()
@@ -139,7 +137,6 @@ class EndpointEngine(RolloutEngine):
         for session in list(self._open.values()):
             self._abandon(session, "the run closed the endpoint with the episode open")
         self.endpoint.close()
-        super().close()
 
     # ------------------------------------------------------------------ the endpoint's episode source
     def claim(self) -> Any:
@@ -147,7 +144,8 @@ class EndpointEngine(RolloutEngine):
         client that gives up takes no ticket). RequestError 410 once the run is closed."""
         with self._cv:
             self._last_activity = time.monotonic()
-            if self._closed:
+            if self.closed:  # set by close(): harnesses asking for more hear so (410); before, 503 (dynamic
+                # sampling may still ask for more groups of the last step)
                 raise RequestError("the training run needs no more episodes", status=410, code="run_over")
             if self._tickets and self._tickets[0].request.min_version <= self.endpoint.loop.version:
                 return self._tickets.popleft()
@@ -342,6 +340,7 @@ class EndpointEngine(RolloutEngine):
             return "\n".join(handle.read().splitlines()[-lines:])
 
     def batch(self, step: int) -> StepRollouts:
+        self._check_open()
         requests = self._requests(step)
         tick = time.monotonic()
         for future_step in self._steps_to_submit(step):
@@ -360,6 +359,7 @@ class EndpointEngine(RolloutEngine):
         return StepRollouts(trajectories, metrics)
 
     def more(self, step: int, requests: list[GroupRequest]) -> list[GroupResult]:
+        self._check_open()
         min_version = max(0, step - 1 - self.max_staleness)
         requests = [dataclasses.replace(r, min_version=min_version) for r in requests]
         self._queue(step, requests)

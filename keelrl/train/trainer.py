@@ -62,7 +62,7 @@ from keelrl.rollout.engines import RolloutEngine, StepRollouts
 from keelrl.rollout.scheduler import GroupRequest
 from keelrl.rollout.trajectory import collate
 from keelrl.serve.sessions import UNFINISHED
-from keelrl.runs import (ALARMS, CONFIG, atomic_write_text, clear_outputs, drop_steps_after, forget_checkpoints,
+from keelrl.runs import (ALARMS, CONFIG, SUMMARY, atomic_write_text, clear_outputs, drop_steps_after, forget_checkpoints,
                          read_metrics, truncate_jsonl)
 from keelrl.sinks import check_sinks
 from keelrl.train import state
@@ -442,6 +442,7 @@ class Trainer:
             monitor.update(int(old["step"]), old)
         if self.step < self.cfg.train.steps:  # resumed to go further: the old end is not the end
             self.summary.get("heldout", {}).pop("final", None)
+            (self.run_dir / SUMMARY).unlink(missing_ok=True)  # nor its summary, till this run's end writes one
         self.progress("resumed", {"step": self.step})
 
     def run(self, resume: bool = False, stop_after: int | None = None) -> dict[str, Any]:
