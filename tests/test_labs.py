@@ -521,6 +521,10 @@ def test_smollm2_labs_run_on_the_tiny_model_with_quick(tmp_path, name):
     assert plain["groups_with_signal"] == pytest.approx(sum(2 * (1 - row["train/zero_advantage_frac"])
                                                             for row in rows if "train/zero_advantage_frac" in row))
     assert 0 <= dynamic["malformed_after"] <= 1 and 0 <= plain["malformed_after"] <= 1
+    # The malformed turns its updates trained on (the tiny model writes many), pooled over its steps.
+    assert plain["rejected_turns"] == sum(row.get("credit/rejected_turns", 0) for row in rows) > 0
+    assert 0 <= plain["rejected_turns_credited"] <= plain["rejected_turns"]
+    assert f"{plain['rejected_turns_credited']} of {plain['rejected_turns']} without" in result.summary
     assert "GRPO (no KL anchor)" in result.summary and "groups with signal against" in result.summary
     start_malformed = dynamic["malformed_before"]  # the tiny start seldom writes the format at all
     assert plain["malformed_before"] == start_malformed and 0 <= start_malformed <= 1

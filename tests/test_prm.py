@@ -193,6 +193,47 @@ def test_good_turn_credit_counts_good_turns_of_failed_episodes_by_their_mean_adv
     assert good_turn_credit(advantages, batch) == {}
 
 
+def test_rejected_turn_credit_counts_malformed_turns_an_update_makes_more_likely():
+    """By hand, from trajectories. Group of 3 on one task; each episode: a prompt token, then two
+    turns of 2 action tokens and 1 observation token. Episode 0 solved it with its turn 0 rejected
+    (a malformed call); episode 1 failed with its turn 1 rejected; episode 2 failed cleanly.
+    GRPO (scores 1, 0, 0; mean 1/3, std 0.577): episode 0's tokens get +1.155, episode 1's -0.577,
+    so the two rejected turns are credited +1.155 and -0.577: 2 rejected turns, share 1/2.
+    A per-turn penalty on the rejected turn alone (as per-turn credit with env.malformed_cost
+    charges it) turns episode 0's rejected turn negative: share 0."""
+    from keelrl.algos import AlgoConfig, compute_advantages, outcome_to_token_rewards
+    from keelrl.rollout.trajectory import Trajectory, collate
+    from keelrl.train.advantage import rejected_turn_credit
+
+    trajectories = []
+    for reward, refused in ((1.0, 0), (0.0, 1), (0.0, None)):
+        t = Trajectory("task", 0, reward=reward)
+        t.extend([5], action=False, turn=0)
+        for turn in (0, 1):
+            t.extend([6, 7], action=True, turn=turn, logprobs=[-1.0, -1.0])
+            t.extend([8], action=False, turn=turn)
+            t.turn_info.append({"error": "error: the tool call is not closed"} if turn == refused else {"tool": "test"})
+        trajectories.append(t)
+    batch = collate(trajectories, pad_id=0)
+    assert batch.rejected is not None
+    assert batch.rejected.tolist() == [[False, True, True, False, False, False, False],
+                                       [False, False, False, False, True, True, False],
+                                       [False] * 7]
+    token_rewards = outcome_to_token_rewards(batch.rewards, batch.action_mask)
+    advantages = compute_advantages(token_rewards=token_rewards, mask=batch.action_mask, group_ids=batch.group_ids,
+                                    cfg=AlgoConfig(preset="grpo")).advantages
+    assert float(advantages[0, 1]) == pytest.approx(2 / 3 / (1 / 3) ** 0.5, rel=1e-3)
+    assert rejected_turn_credit(advantages, batch) == {"credit/rejected_turns": 2.0,
+                                                       "credit/rejected_turn_positive_frac": 0.5}
+    charged = advantages.clone()
+    charged[0, 1:3] = -0.5  # the rejected turn of the solved episode, charged on its own
+    assert rejected_turn_credit(charged, batch)["credit/rejected_turn_positive_frac"] == 0.0
+    batch.rejected = torch.zeros_like(batch.rejected)  # nothing rejected: nothing to measure
+    assert rejected_turn_credit(advantages, batch) == {}
+    batch.rejected = None
+    assert rejected_turn_credit(advantages, batch) == {}
+
+
 def test_bad_prm_settings_are_named():
     with pytest.raises(ConfigError, match="weight"):
         load_config(overrides=["prm.weight=0.5"])

@@ -393,6 +393,17 @@ def series(rows: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
     return [(int(r["step"]), float(r[key])) for r in rows if isinstance(r.get(key), (int, float))]
 
 
+def pooled_share(rows: list[dict[str, Any]], count_key: str, share_key: str) -> tuple[int, float]:
+    """(the count `count_key` summed over a run's steps, the share `share_key` pooled over them by
+    that count): e.g. turns of some kind over the run, and how many of them had a positive
+    advantage. NaN share when the count is 0."""
+    counts = dict(series(rows, count_key))
+    shares = dict(series(rows, share_key))
+    total = sum(counts.values())
+    positive = sum(counts[step] * shares[step] for step in shares if step in counts)
+    return int(total), (positive / total if total else float("nan"))
+
+
 def mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 

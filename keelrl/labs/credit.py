@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from keelrl.labs.common import (CODING_LAB, CODING_QUICK, LabResult, config, effect_sentence, first, last, markdown_table, mean,
-                                paired_effect, plot_variants, series, share_start, steps_run, train_variants,
-                                variant_record)
+                                paired_effect, plot_variants, pooled_share, series, share_start, steps_run,
+                                train_variants, variant_record)
 
 CREDIT = [*CODING_LAB, "prm.enabled=true"]
 """The SmolLM2 coding labs' budget (`CODING_LAB`: 3 RL steps of 4 tasks x 4 attempts per variant,
@@ -32,11 +32,7 @@ VARIANTS = {"grpo": ["algo.preset=grpo", "prm.scorer=false"],
 def good_turn_share(rows: list[dict[str, Any]]) -> tuple[int, float]:
     """(good turns of failed episodes over the run's steps, the share with a positive advantage),
     pooled over steps by count (`credit/good_turns`, `credit/good_turn_positive_frac`)."""
-    counts = dict(series(rows, "credit/good_turns"))
-    shares = dict(series(rows, "credit/good_turn_positive_frac"))
-    total = sum(counts.values())
-    positive = sum(counts[step] * shares[step] for step in shares if step in counts)
-    return int(total), (positive / total if total else float("nan"))
+    return pooled_share(rows, "credit/good_turns", "credit/good_turn_positive_frac")
 
 
 def lab_credit(out: Path, overrides: Sequence[str], quick: bool, progress: Callable[[str], None]) -> LabResult:

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from keelrl.labs.common import (CODING_QUICK, LabResult, config, effect_sentence, first, kl_anchor, last, markdown_table,
-                                mean, paired_effect, plot_variants, series, share_start, steps_run, train_variants,
-                                variant_record)
+                                mean, paired_effect, plot_variants, pooled_share, series, share_start, steps_run,
+                                train_variants, variant_record)
 
 DYNAMIC = ["model.path=smollm2", "algo.preset=grpo", "algo.kl_coef=0", "rollout.tasks_per_step=2",
            "rollout.group_size=4", "train.minibatch_size=8", "rollout.dynamic_max_extra_groups=6", "train.steps=3",
@@ -106,6 +106,7 @@ def lab_dynamic_sampling(out: Path, overrides: Sequence[str], quick: bool,
         cfg = config(out / label, [*overrides, *(["algo.dynamic_sampling=false"] if label == "no-dynamic" else [])])
         sampled = rollouts_sampled(rows, cfg if label == "no-dynamic" else dynamic_cfg)
         before, after = first(rows, "eval/success"), last(rows, "eval/success")
+        rejected, rejected_positive = pooled_share(rows, "credit/rejected_turns", "credit/rejected_turn_positive_frac")
         zero_before = [v for _, v in series(rows, "dynamic/zero_adv_frac_before")] or \
             [v for _, v in series(rows, "train/zero_advantage_frac")]
         numbers[label] = {"steps": len(rl_steps(rows)), "trained_steps": len(series(rows, "train/reward")),
@@ -119,6 +120,8 @@ def lab_dynamic_sampling(out: Path, overrides: Sequence[str], quick: bool,
                           "grad_norm_mean": mean([v for _, v in series(rows, "train/grad_norm")]),
                           "malformed_before": first(rows, "eval/action_error_frac"),
                           "malformed_after": last(rows, "eval/action_error_frac"),
+                          "rejected_turns": rejected, "rejected_turns_credited": round(rejected * rejected_positive)
+                          if rejected else 0,
                           "seconds": variant_record(out / label).get("seconds", math.nan),
                           "step_s_mean": mean([v for _, v in series(rows, "time/step_s")])}
     dyn, plain = numbers["dynamic"], numbers["no-dynamic"]
@@ -134,16 +137,22 @@ def lab_dynamic_sampling(out: Path, overrides: Sequence[str], quick: bool,
         markdown_table(["arm", "steps", "rollouts sampled", "zero-advantage share, sampled",
                         "zero-advantage share, trained", "held-out before", "held-out after",
                         "held-out lift per 1000 rollouts", "training reward (mean)", "groups trained with signal",
-                        "gradient norm (mean)", "malformed actions, held-out after", "wall clock (s)"],
+                        "gradient norm (mean)", "malformed turns trained on, credited > 0",
+                        "malformed actions, held-out after", "wall clock (s)"],
                        [(k, v["steps"], v["rollouts_sampled"], v["zero_adv_frac_sampled"], v["zero_adv_frac_trained"],
                          v["eval_before"], v["eval_after"], v["lift_per_1000_rollouts"], v["reward_mean"],
-                         v["groups_with_signal"], v["grad_norm_mean"], v["malformed_after"], v["seconds"])
+                         v["groups_with_signal"], v["grad_norm_mean"],
+                         f"{v['rejected_turns_credited']} of {v['rejected_turns']}", v["malformed_after"], v["seconds"])
                         for k, v in numbers.items()]), "",
         f"Without dynamic sampling {plain['zero_adv_frac_trained']:.0%} of the trained groups had zero advantage: "
         f"rollouts and learner passes that teach nothing. With it the trained share is "
         f"{dyn['zero_adv_frac_trained']:.0%}, and {dyn['zero_adv_frac_sampled']:.0%} of what it sampled was dropped: "
         f"its updates learned from {dyn['groups_with_signal']:g} groups with signal against "
-        f"{plain['groups_with_signal']:g}. " + " ".join(broke) + (" " if broke else "")
+        f"{plain['groups_with_signal']:g}. A malformed turn (an action the environment rejected) in a solved "
+        f"episode takes the episode's positive advantage under GRPO: the updates credited "
+        f"{dyn['rejected_turns_credited']} of the {dyn['rejected_turns']} malformed turns they trained on with "
+        f"dynamic sampling, {plain['rejected_turns_credited']} of {plain['rejected_turns']} without. "
+        + " ".join(broke) + (" " if broke else "")
         + effect_sentence("Held-out, dynamic minus no-dynamic", effect, tasks, "dynamic sampling"), "",
         f"Chart: {chart.name}"])
     return LabResult("dynamic-sampling", numbers, summary, [chart],

@@ -134,6 +134,9 @@ class Batch:
     episode_ids: Tensor | None = None
     """[B] long: rows of one episode share an id, where an episode gave several samples
     (`Trajectory.samples`); None: every row is a whole episode."""
+    rejected: Tensor | None = None
+    """[B, T] bool: the action tokens of turns whose action the environment rejected (a malformed
+    call, a bad argument: the turn's info["error"]); None reads as none rejected."""
 
     def to(self, device: torch.device) -> "Batch":
         return Batch(**{name: None if value is None else value.to(device)  # type: ignore[arg-type]
@@ -152,6 +155,7 @@ def collate(trajectories: Sequence[Trajectory], pad_id: int) -> Batch:
     observation = torch.zeros((batch, width), dtype=torch.bool)
     labels = torch.full((batch, width), -1, dtype=torch.long)
     step_rewards = torch.zeros((batch, width), dtype=torch.float32)
+    rejected = torch.zeros((batch, width), dtype=torch.bool)
     for row, trajectory in enumerate(trajectories):
         for position, label in step_positions(trajectory):
             labels[row, position] = label
@@ -166,6 +170,9 @@ def collate(trajectories: Sequence[Trajectory], pad_id: int) -> Batch:
         observation[row, trajectory.prompt_length:n] = ~action[row, trajectory.prompt_length:n]
         behaviour[row, :n] = torch.tensor(trajectory.behaviour_logprobs)
         turns[row, :n] = torch.tensor(trajectory.turn_ids)
+        refused = [turn for turn, info in enumerate(trajectory.turn_info) if info.get("error")]
+        if refused:
+            rejected[row, :n] = action[row, :n] & torch.isin(turns[row, :n], torch.tensor(refused))
     rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
     groups = torch.tensor([t.group_id for t in trajectories], dtype=torch.long)
     cut = torch.tensor([t.cut for t in trajectories], dtype=torch.bool)
@@ -175,7 +182,7 @@ def collate(trajectories: Sequence[Trajectory], pad_id: int) -> Batch:
         episodes = torch.tensor([names.setdefault(t.episode or f"\x00row-{row}", len(names))
                                  for row, t in enumerate(trajectories)], dtype=torch.long)
     return Batch(input_ids, attention, action, behaviour, turns, rewards, groups, observation, labels, step_rewards,
-                 cut, episodes)
+                 cut, episodes, rejected)
 
 
 def last_action_positions(trajectory: Trajectory) -> dict[int, int]:

@@ -81,6 +81,17 @@ def zero_advantage_frac(batch: Batch) -> float:
     return 1.0 - mixed.mean().item()
 
 
+def turn_mean_advantages(advantages: Tensor, batch: Batch) -> Tensor:
+    """[B, K] float64: each turn's mean advantage over its action tokens (0 for a turn without any)."""
+    mask = batch.action_mask
+    turns = batch.turn_ids.long().clamp(min=0)
+    width = int(turns.max()) + 1 if turns.numel() else 1
+    sums = torch.zeros(mask.shape[0], width, dtype=torch.float64, device=mask.device)
+    sums.scatter_add_(1, turns, advantages.double().masked_fill(~mask, 0.0))
+    counts = torch.zeros_like(sums).scatter_add_(1, turns, mask.double())
+    return sums / counts.clamp(min=1)
+
+
 def good_turn_credit(advantages: Tensor, batch: Batch) -> dict[str, float]:
     """The lecture's trajectory-B measurement over the batch: among the turns of failed episodes
     (outcome reward below 1) that raised the hidden-check pass count (process label 1, so only
@@ -90,20 +101,34 @@ def good_turn_credit(advantages: Tensor, batch: Batch) -> dict[str, float]:
     credit can reward the good turn inside it. {} when no turn is labelled."""
     if batch.step_labels is None or not bool((batch.step_labels >= 0).any()):
         return {}
-    mask = batch.action_mask
-    turns = batch.turn_ids.long().clamp(min=0)
-    width = int(turns.max()) + 1 if turns.numel() else 1
-    sums = torch.zeros(mask.shape[0], width, dtype=torch.float64, device=mask.device)
-    sums.scatter_add_(1, turns, advantages.double().masked_fill(~mask, 0.0))
-    counts = torch.zeros_like(sums).scatter_add_(1, turns, mask.double())
     good = (batch.step_labels == 1) & (batch.rewards < 1.0).unsqueeze(1)  # [B, T]: a good turn's last action token
     rows, positions = good.nonzero(as_tuple=True)
     if rows.numel() == 0:
         return {"credit/good_turns": 0.0}
-    at = turns[rows, positions]
-    turn_mean = sums[rows, at] / counts[rows, at].clamp(min=1)
+    turn_mean = turn_mean_advantages(advantages, batch)[rows, batch.turn_ids.long()[rows, positions]]
     return {"credit/good_turns": float(rows.numel()),
             "credit/good_turn_positive_frac": float((turn_mean > 0).double().mean())}
+
+
+def rejected_turn_credit(advantages: Tensor, batch: Batch) -> dict[str, float]:
+    """The mirror of `good_turn_credit`: among the batch's turns whose action the environment
+    rejected (`Batch.rejected`: a malformed call, a bad argument), how many there are
+    (`credit/rejected_turns`) and the share whose mean advantage over the turn's action tokens is
+    positive (`credit/rejected_turn_positive_frac`): the update makes those malformed actions more
+    likely. An outcome advantage gives a rejected turn of a successful episode its success's sign;
+    per-turn credit with `env.malformed_cost` can charge the turn itself. {} without a rejected turn."""
+    if batch.rejected is None:
+        return {}
+    rejected = batch.rejected & batch.action_mask
+    if not bool(rejected.any()):
+        return {}
+    means = turn_mean_advantages(advantages, batch)  # [B, K]
+    rows, positions = rejected.nonzero(as_tuple=True)
+    hit = torch.zeros(means.shape, dtype=torch.bool, device=means.device)
+    hit[rows, batch.turn_ids.long()[rows, positions]] = True  # [B, K]: the rejected turns
+    turn_mean = means[hit]
+    return {"credit/rejected_turns": float(turn_mean.numel()),
+            "credit/rejected_turn_positive_frac": float((turn_mean > 0).double().mean())}
 
 
 def episode_advantages(token_rewards: Tensor, mask: Tensor, rewards: Tensor, group_ids: Tensor,
@@ -235,6 +260,7 @@ class AdvantageStage:
                 advantages = advantages - self.cfg.distill.coef * sampled_kl.to(advantages.dtype)
         stats.update(prm_stats)
         stats.update(good_turn_credit(advantages, batch))
+        stats.update(rejected_turn_credit(advantages, batch))
         if not sampled_by_teacher:  # 7: the teacher's cut samples are still its samples to distil
             advantages, loss_mask, filter_stats = overlong_filter(advantages, mask, cut, algo)
             batch = dataclasses.replace(batch, action_mask=loss_mask)
