@@ -8,6 +8,8 @@ the real fix 4/4). The advantage term is checked against a loop over turns in fl
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 
 import pytest
@@ -195,30 +197,32 @@ def test_good_turn_credit_counts_good_turns_of_failed_episodes_by_their_mean_adv
 
 def test_rejected_turn_credit_counts_malformed_turns_an_update_makes_more_likely():
     """By hand, from trajectories. Group of 3 on one task; each episode: a prompt token, then two
-    turns of 2 action tokens and 1 observation token. Episode 0 solved it with its turn 0 rejected
-    (a malformed call); episode 1 failed with its turn 1 rejected; episode 2 failed cleanly.
-    GRPO (scores 1, 0, 0; mean 1/3, std 0.577): episode 0's tokens get +1.155, episode 1's -0.577,
-    so the two rejected turns are credited +1.155 and -0.577: 2 rejected turns, share 1/2.
-    A per-turn penalty on the rejected turn alone (as per-turn credit with env.malformed_cost
-    charges it) turns episode 0's rejected turn negative: share 0."""
+    turns of 2 action tokens and 1 observation token (episode 2's second action is 3 tokens, so
+    the others are padded). Episode 0 solved it with its turn 0 rejected (a malformed call);
+    episode 1 failed with its turn 1 rejected; episode 2 failed cleanly. GRPO (scores 1, 0, 0;
+    mean 1/3, std 0.577): episode 0's tokens get +1.155, episode 1's -0.577, so the two rejected
+    turns are credited +1.155 and -0.577: 2 rejected turns, share 1/2. The share reads a turn's
+    mean advantage, not its last token's; a row the loss does not read (the overlong filter's
+    mask) does not count."""
     from keelrl.algos import AlgoConfig, compute_advantages, outcome_to_token_rewards
     from keelrl.rollout.trajectory import Trajectory, collate
     from keelrl.train.advantage import rejected_turn_credit
 
     trajectories = []
-    for reward, refused in ((1.0, 0), (0.0, 1), (0.0, None)):
+    for reward, refused, last in ((1.0, 0, [6, 7]), (0.0, 1, [6, 7]), (0.0, None, [6, 7, 7])):
         t = Trajectory("task", 0, reward=reward)
         t.extend([5], action=False, turn=0)
         for turn in (0, 1):
-            t.extend([6, 7], action=True, turn=turn, logprobs=[-1.0, -1.0])
+            action = last if turn == 1 else [6, 7]
+            t.extend(action, action=True, turn=turn, logprobs=[-1.0] * len(action))
             t.extend([8], action=False, turn=turn)
             t.turn_info.append({"error": "error: the tool call is not closed"} if turn == refused else {"tool": "test"})
         trajectories.append(t)
     batch = collate(trajectories, pad_id=0)
     assert batch.rejected is not None
-    assert batch.rejected.tolist() == [[False, True, True, False, False, False, False],
-                                       [False, False, False, False, True, True, False],
-                                       [False] * 7]
+    assert batch.rejected.tolist() == [[False, True, True, False, False, False, False, False],
+                                       [False, False, False, False, True, True, False, False],
+                                       [False] * 8]
     token_rewards = outcome_to_token_rewards(batch.rewards, batch.action_mask)
     advantages = compute_advantages(token_rewards=token_rewards, mask=batch.action_mask, group_ids=batch.group_ids,
                                     cfg=AlgoConfig(preset="grpo")).advantages
@@ -226,11 +230,15 @@ def test_rejected_turn_credit_counts_malformed_turns_an_update_makes_more_likely
     assert rejected_turn_credit(advantages, batch) == {"credit/rejected_turns": 2.0,
                                                        "credit/rejected_turn_positive_frac": 0.5}
     charged = advantages.clone()
-    charged[0, 1:3] = -0.5  # the rejected turn of the solved episode, charged on its own
-    assert rejected_turn_credit(charged, batch)["credit/rejected_turn_positive_frac"] == 0.0
-    batch.rejected = torch.zeros_like(batch.rejected)  # nothing rejected: nothing to measure
-    assert rejected_turn_credit(advantages, batch) == {}
-    batch.rejected = None
+    charged[0, 1] = -3.0  # the solved episode's rejected turn now averages (-3 + 1.155) / 2 < 0,
+    assert rejected_turn_credit(charged, batch)["credit/rejected_turn_positive_frac"] == 0.0  # its last token > 0
+    masked = dataclasses.replace(batch, action_mask=batch.action_mask.clone())
+    masked.action_mask[0] = False  # row 0 left out of the loss: its rejected turn is not the update's
+    assert rejected_turn_credit(advantages, masked) == {"credit/rejected_turns": 1.0,
+                                                        "credit/rejected_turn_positive_frac": 0.0}
+    batch.rejected = torch.zeros_like(batch.rejected)  # nothing rejected: measured, none
+    assert rejected_turn_credit(advantages, batch) == {"credit/rejected_turns": 0.0}
+    batch.rejected = None  # a batch built without it: not measured
     assert rejected_turn_credit(advantages, batch) == {}
 
 

@@ -84,7 +84,7 @@ def zero_advantage_frac(batch: Batch) -> float:
 def turn_mean_advantages(advantages: Tensor, batch: Batch) -> Tensor:
     """[B, K] float64: each turn's mean advantage over its action tokens (0 for a turn without any)."""
     mask = batch.action_mask
-    turns = batch.turn_ids.long().clamp(min=0)
+    turns = batch.turn_ids.long()
     width = int(turns.max()) + 1 if turns.numel() else 1
     sums = torch.zeros(mask.shape[0], width, dtype=torch.float64, device=mask.device)
     sums.scatter_add_(1, turns, advantages.double().masked_fill(~mask, 0.0))
@@ -101,7 +101,8 @@ def good_turn_credit(advantages: Tensor, batch: Batch) -> dict[str, float]:
     credit can reward the good turn inside it. {} when no turn is labelled."""
     if batch.step_labels is None or not bool((batch.step_labels >= 0).any()):
         return {}
-    good = (batch.step_labels == 1) & (batch.rewards < 1.0).unsqueeze(1)  # [B, T]: a good turn's last action token
+    good = (batch.step_labels == 1) & (batch.rewards < 1.0).unsqueeze(1) & batch.action_mask  # [B, T]: a good
+    # turn's last action token, in a row the loss reads
     rows, positions = good.nonzero(as_tuple=True)
     if rows.numel() == 0:
         return {"credit/good_turns": 0.0}
@@ -116,12 +117,13 @@ def rejected_turn_credit(advantages: Tensor, batch: Batch) -> dict[str, float]:
     (`credit/rejected_turns`) and the share whose mean advantage over the turn's action tokens is
     positive (`credit/rejected_turn_positive_frac`): the update makes those malformed actions more
     likely. An outcome advantage gives a rejected turn of a successful episode its success's sign;
-    per-turn credit with `env.malformed_cost` can charge the turn itself. {} without a rejected turn."""
+    per-turn credit with `env.malformed_cost` can charge the turn itself. Only the tokens the loss
+    reads count (`action_mask`); {} without `batch.rejected`."""
     if batch.rejected is None:
         return {}
     rejected = batch.rejected & batch.action_mask
     if not bool(rejected.any()):
-        return {}
+        return {"credit/rejected_turns": 0.0}
     means = turn_mean_advantages(advantages, batch)  # [B, K]
     rows, positions = rejected.nonzero(as_tuple=True)
     hit = torch.zeros(means.shape, dtype=torch.bool, device=means.device)
@@ -259,12 +261,14 @@ class AdvantageStage:
             if self.cfg.distill.form == "advantage":  # a dense per-token reward: -coef x the sampled reverse KL
                 advantages = advantages - self.cfg.distill.coef * sampled_kl.to(advantages.dtype)
         stats.update(prm_stats)
-        stats.update(good_turn_credit(advantages, batch))
-        stats.update(rejected_turn_credit(advantages, batch))
         if not sampled_by_teacher:  # 7: the teacher's cut samples are still its samples to distil
             advantages, loss_mask, filter_stats = overlong_filter(advantages, mask, cut, algo)
             batch = dataclasses.replace(batch, action_mask=loss_mask)
             stats.update({key: float(value) for key, value in filter_stats.items()})
+            # The credit the update gives, as its loss reads it (rows the filter masked give none);
+            # a teacher's samples get no RL credit at all (below), so nothing to measure there.
+            stats.update(good_turn_credit(advantages, batch))
+            stats.update(rejected_turn_credit(advantages, batch))
         if prox_logp is not None:
             stats.update(arrival_stats(prox_logp, batch, algo))
         if sampled_by_teacher:  # another policy's samples: distil on them, do not reinforce them
