@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,15 +82,20 @@ def zero_advantage_frac(batch: Batch) -> float:
     return 1.0 - mixed.mean().item()
 
 
-def turn_mean_advantages(advantages: Tensor, batch: Batch) -> Tensor:
-    """[B, K] float64: each turn's mean advantage over its action tokens (0 for a turn without any)."""
+def turn_credit(advantages: Tensor, batch: Batch, marked: Tensor) -> tuple[int, float]:
+    """The turns holding a `marked` position ([B, T] bool) -> (how many, the share whose mean
+    advantage over the turn's action tokens is positive; NaN when none)."""
     mask = batch.action_mask
     turns = batch.turn_ids.long()
     width = int(turns.max()) + 1 if turns.numel() else 1
     sums = torch.zeros(mask.shape[0], width, dtype=torch.float64, device=mask.device)
     sums.scatter_add_(1, turns, advantages.double().masked_fill(~mask, 0.0))
     counts = torch.zeros_like(sums).scatter_add_(1, turns, mask.double())
-    return sums / counts.clamp(min=1)
+    rows, positions = marked.nonzero(as_tuple=True)
+    hit = torch.zeros(sums.shape, dtype=torch.bool, device=sums.device)
+    hit[rows, turns[rows, positions]] = True  # [B, K]: the marked turns
+    turn_mean = sums[hit] / counts[hit].clamp(min=1)
+    return int(turn_mean.numel()), float((turn_mean > 0).double().mean()) if turn_mean.numel() else math.nan
 
 
 def good_turn_credit(advantages: Tensor, batch: Batch) -> dict[str, float]:
@@ -98,17 +104,16 @@ def good_turn_credit(advantages: Tensor, batch: Batch) -> dict[str, float]:
     with `prm.enabled`), how many there are (`credit/good_turns`) and the share whose mean
     advantage over the turn's action tokens is positive (`credit/good_turn_positive_frac`).
     One advantage broadcast over an episode gives every such turn its failure's sign; per-turn
-    credit can reward the good turn inside it. {} when no turn is labelled."""
+    credit can reward the good turn inside it. Only rows the loss reads count (`action_mask`);
+    {} when no turn is labelled."""
     if batch.step_labels is None or not bool((batch.step_labels >= 0).any()):
         return {}
     good = (batch.step_labels == 1) & (batch.rewards < 1.0).unsqueeze(1) & batch.action_mask  # [B, T]: a good
     # turn's last action token, in a row the loss reads
-    rows, positions = good.nonzero(as_tuple=True)
-    if rows.numel() == 0:
+    count, share = turn_credit(advantages, batch, good)
+    if count == 0:
         return {"credit/good_turns": 0.0}
-    turn_mean = turn_mean_advantages(advantages, batch)[rows, batch.turn_ids.long()[rows, positions]]
-    return {"credit/good_turns": float(rows.numel()),
-            "credit/good_turn_positive_frac": float((turn_mean > 0).double().mean())}
+    return {"credit/good_turns": float(count), "credit/good_turn_positive_frac": share}
 
 
 def rejected_turn_credit(advantages: Tensor, batch: Batch) -> dict[str, float]:
@@ -121,16 +126,10 @@ def rejected_turn_credit(advantages: Tensor, batch: Batch) -> dict[str, float]:
     reads count (`action_mask`); {} without `batch.rejected`."""
     if batch.rejected is None:
         return {}
-    rejected = batch.rejected & batch.action_mask
-    if not bool(rejected.any()):
+    count, share = turn_credit(advantages, batch, batch.rejected & batch.action_mask)
+    if count == 0:
         return {"credit/rejected_turns": 0.0}
-    means = turn_mean_advantages(advantages, batch)  # [B, K]
-    rows, positions = rejected.nonzero(as_tuple=True)
-    hit = torch.zeros(means.shape, dtype=torch.bool, device=means.device)
-    hit[rows, batch.turn_ids.long()[rows, positions]] = True  # [B, K]: the rejected turns
-    turn_mean = means[hit]
-    return {"credit/rejected_turns": float(turn_mean.numel()),
-            "credit/rejected_turn_positive_frac": float((turn_mean > 0).double().mean())}
+    return {"credit/rejected_turns": float(count), "credit/rejected_turn_positive_frac": share}
 
 
 def episode_advantages(token_rewards: Tensor, mask: Tensor, rewards: Tensor, group_ids: Tensor,
