@@ -37,6 +37,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "endpoint": ("bench.bench_endpoint", "Harness sessions through the endpoint against the in-process loop"),
     "vllm": ("bench.bench_vllm", "keel's decoder against vLLM and HF generate"),
     "lora": ("bench.bench_lora", "LoRA against full fine-tuning"),
+    "lockstep": ("bench.bench_lockstep", "Lockstep batches against streaming"),
 }
 """name -> (module, title), in the order they run and are reported."""
 

@@ -106,7 +106,7 @@ def in_process(model: Any, tokenizer: Any, prompts: list[str], args: argparse.Na
     from keelrl.rollout.agent_loop import EpisodeLimits, model_actor, run_episodes
 
     limits = EpisodeLimits(max_turns=args.turns, max_context_tokens=8192, max_new_tokens=args.completion_tokens,
-                           env_threads=4, interruptible=True, label_steps=False)
+                           env_threads=4, interruptible=True, label_steps=False, lockstep=False)
     tasks = [PromptTask(id=f"p{i}", prompt=p) for i, p in enumerate(prompts)]
     act = model_actor(model, tokenizer, sampling, options)
     tick = time.perf_counter()

@@ -307,6 +307,15 @@ class RolloutSettings:
     """Endpoint: its port (0: any free one, printed at the start)."""
     endpoint_key: str = ""
     """Endpoint: the API key requests must carry (Authorization: Bearer KEY); empty: none."""
+    lockstep: bool = False
+    """Sync, async and ray: generate only when no environment work (a reset, tool call or grading)
+    is pending, every waiting episode at once in admission order, instead of streaming episodes
+    into the running batch as their tool calls return. The decoder's batches then depend on the
+    requests and what their environments returned, not on which tool call finished first, so a
+    sync run's seed gives the same rollouts token for token on one machine (in bfloat16 a row's
+    rounding depends on the rows it shares a decode step with). It gives up overlapping tool calls
+    with decoding; the measured cost: docs/reliability.md#same-weights-same-tokens. Not with
+    engine=endpoint, whose harness drives its episodes."""
 
     def __post_init__(self) -> None:
         _cores("worker_cores", self.worker_cores)
@@ -330,6 +339,9 @@ class RolloutSettings:
             raise ConfigError("max_staleness", f"must be >= 0, got {self.max_staleness}")
         if self.dynamic_max_extra_groups < 0:
             raise ConfigError("dynamic_max_extra_groups", f"must be >= 0, got {self.dynamic_max_extra_groups}")
+        if self.lockstep and self.engine == "endpoint":
+            raise ConfigError("lockstep", "engine=endpoint's harness drives its episodes and their batches; "
+                                          "lockstep applies to the sync, async and ray engines")
 
 
 @dataclasses.dataclass
@@ -403,6 +415,11 @@ class EvalConfig:
     so the training reward has an independent curve beside it at every step. 0: off."""
     probe_every: int = 1
     """Run the probe every this many steps (between full evaluations)."""
+    lockstep: bool = True
+    """Run the evaluation's and the probe's episodes in lockstep (as rollout.lockstep does): the
+    same weights give the same held-out tokens and outcomes every time on one machine, whatever
+    the order their tool calls finish in. false: stream episodes into the running batch (in
+    bfloat16 a greedy near-tie can then flip between two evaluations of the same weights)."""
 
     def __post_init__(self) -> None:
         _positive(every=self.every, tasks=self.tasks, probe_every=self.probe_every)

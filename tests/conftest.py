@@ -70,11 +70,12 @@ def float64_model(vocab: int, seed: int = 0):
 
 
 def limits(max_turns: int = 8, max_context_tokens: int = 3072, max_new_tokens: int = 160, env_threads: int = 4,
-           interruptible: bool = True, label_steps: bool = False) -> EpisodeLimits:
+           interruptible: bool = True, label_steps: bool = False, lockstep: bool = False) -> EpisodeLimits:
     """Episode limits for tests that run the scheduler, engines or agent loop directly: every value
     explicit (the library's EpisodeLimits has no defaults; a run's come from its config)."""
     return EpisodeLimits(max_turns=max_turns, max_context_tokens=max_context_tokens, max_new_tokens=max_new_tokens,
-                         env_threads=env_threads, interruptible=interruptible, label_steps=label_steps)
+                         env_threads=env_threads, interruptible=interruptible, label_steps=label_steps,
+                         lockstep=lockstep)
 
 
 @pytest.fixture(scope="module")

@@ -660,7 +660,7 @@ def test_the_scheduler_streams_episodes_into_the_running_batch(tmp_path, monkeyp
         torch.testing.assert_close(torch.tensor(a.behaviour_logprobs), torch.tensor(b.behaviour_logprobs),
                                    rtol=0, atol=1e-9)
     assert usage[True]["joined_in_flight"] > 0 and usage[False]["joined_in_flight"] == 0
-    print("USAGE", usage[True]["steps"], usage[False]["steps"], usage[True]["joined_in_flight"]); assert usage[True]["steps"] < usage[False]["steps"]
+    assert usage[True]["steps"] < usage[False]["steps"]
 
 
 def test_an_unknown_decoder_fails_at_config_time_naming_the_field():

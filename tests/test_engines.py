@@ -345,6 +345,55 @@ def test_environment_work_is_handled_in_the_order_it_was_sent():
         scheduler.close()
 
 
+def test_lockstep_batches_do_not_depend_on_which_tool_call_returns_first():
+    """With EpisodeLimits.lockstep the scheduler generates only when no environment work is
+    pending: every batch is all the unfinished episodes, in admission order, through the actor's
+    whole-batch call and never its stream. Tool calls that return lowest task first or highest
+    task first give the same batches, the ones worked out by hand from the episodes' lengths."""
+    from keelrl.rollout.agent_loop import run_episodes
+
+    def turns(task):
+        return 2 + task % 3  # tasks 0 and 3: 2 turns; 1 and 4: 3; 2 and 5: 4
+
+    class UnusedStream:
+        busy = False
+
+        def submit(self, episodes):
+            raise AssertionError("lockstep must not stream")
+
+        def cancel(self):
+            pass
+
+    def run(latency):
+        batches = []
+
+        def act(active):
+            batches.append([(episode.request.task, episode.turn) for episode in active])
+            return [([97], [0.0], "a") for _ in active]
+
+        act.stream = UnusedStream()
+        trajectories = run_episodes(lambda: LatencyEnv(latency, turns), list(range(6)), ByteTokenizer(), act,
+                                    limits(env_threads=6, lockstep=True), seed=0)
+        assert [len(t.actions) for t in trajectories] == [turns(task) for task in range(6)]
+        return batches
+
+    expected = [[(task, 0) for task in range(6)], [(task, 1) for task in range(6)],
+                [(1, 2), (2, 2), (4, 2), (5, 2)], [(2, 3), (5, 3)]]
+    assert run(lambda task, turn: 0.01 * task) == expected
+    assert run(lambda task, turn: 0.01 * (5 - task)) == expected
+
+
+def test_lockstep_settings():
+    """eval.lockstep is on by default and governs the evaluation whatever rollout.lockstep says;
+    rollout.lockstep reaches the training rollouts' limits; the endpoint engine refuses it by name."""
+    cfg = load_config(overrides=["rollout.lockstep=true", "eval.lockstep=false"])
+    assert load_config().eval.lockstep and not load_config().rollout.lockstep
+    from keelrl.rollout.scheduler import EpisodeLimits
+    assert EpisodeLimits.of(cfg.rollout, 3).lockstep and not EpisodeLimits.of(load_config().rollout, 3).lockstep
+    with pytest.raises(ConfigError, match="rollout.lockstep"):
+        load_config(overrides=["rollout.engine=endpoint", "rollout.lockstep=true"])
+
+
 
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_a_closed_engine_holds_neither_its_requests_source_nor_its_policy_copy(asynchronous):

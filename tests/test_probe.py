@@ -134,3 +134,30 @@ def test_a_run_logs_the_probe_every_step_reads_it_from_full_evaluations_and_resu
     assert summary["probe"]["start"] == {task: start[task] for task in ids}
     assert summary["probe"]["success_by_step"] == {str(step): rows[step]["probe/success"] for step in range(4)}
     assert summary["probe"]["seconds"] == pytest.approx(sum(rows[step]["probe/seconds"] for step in range(4)))
+
+
+@pytest.mark.parametrize("lockstep", [True, False])
+def test_evaluation_runs_in_lockstep_unless_told_not_to(tiny_model_dir, tmp_path, monkeypatch, lockstep):
+    """eval.lockstep reaches the evaluator's episode limits, whatever rollout.lockstep says; in
+    lockstep two evaluations of the same weights give the same tokens."""
+    from keelrl.rollout import agent_loop
+    import keelrl.train.evaluation as evaluation
+
+    overrides = [*TINY_RUN, *FAST_RUN, f"model.path={tiny_model_dir}", "eval.tasks=6", "env.max_turns=3",
+                 f"eval.lockstep={str(lockstep).lower()}", f"rollout.lockstep={str(not lockstep).lower()}"]
+    trainer = Trainer(load_config(overrides=[f"run_dir={tmp_path}", *overrides]))
+    assert trainer.evaluator.rollout.lockstep is lockstep and trainer._limits().lockstep is not lockstep
+    if not lockstep:
+        return
+    runs = []
+
+    def recorded(*args, **kwargs):
+        runs.append(agent_loop.run_episodes(*args, **kwargs))
+        assert args[4].lockstep  # the limits the evaluation ran under
+        return runs[-1]
+
+    monkeypatch.setattr(evaluation, "run_episodes", recorded)
+    trainer.evaluate()
+    trainer.evaluate()
+    assert len(runs) == 2 and sum(len(t.actions) for t in runs[0]) > len(runs[0])  # several turns
+    assert [t.token_ids for t in runs[0]] == [t.token_ids for t in runs[1]]

@@ -52,11 +52,12 @@ CODING_QUICK = ["model.path=tiny", "env.show_file=false", "env.max_turns=3", "ro
 
 CODING_LAB = ["model.path=smollm2", "rollout.tasks_per_step=4", "train.minibatch_size=8", "algo.dynamic_sampling=false",
               "algo.kl_coef=0", "train.steps=3", "eval.tasks=32", "eval.every=1000", "eval.probe_tasks=0",
-              "output.checkpoint_every=1000", "output.sample_trajectories=2"]
+              "output.checkpoint_every=1000", "output.sample_trajectories=2", "rollout.lockstep=true"]
 """The SmolLM2 coding labs' shared budget over the default run (five turns, its cached warm start):
 3 RL steps of 4 tasks x 4 attempts per arm, two updates a step, no dynamic sampling (every arm
 samples the same 16 episodes a step), no reference KL, a 32-task held-out evaluation at the start
-and at each arm's end and no probe between (each lab adds or changes its own)."""
+and at each arm's end and no probe between (each lab adds or changes its own). Rollouts run in
+lockstep (evaluations do by default), so a seed repeats its rollouts token for token on one machine."""
 
 QUICK_GUESS = ["rollout.tasks_per_step=2", "rollout.group_size=2", "eval.tasks=4", "warm_start.demos=16",
                "warm_start.epochs=1", "train.minibatch_size=4"]

@@ -25,11 +25,12 @@ from keelrl.labs.common import (CODING_QUICK, LabResult, config, effect_sentence
 DYNAMIC = ["model.path=smollm2", "algo.preset=grpo", "algo.kl_coef=0", "rollout.tasks_per_step=2",
            "rollout.group_size=4", "train.minibatch_size=8", "rollout.dynamic_max_extra_groups=6", "train.steps=3",
            "eval.tasks=32", "eval.every=1000", "eval.probe_tasks=0", "output.checkpoint_every=1000",
-           "output.sample_trajectories=2"]
+           "output.sample_trajectories=2", "rollout.lockstep=true"]
 """The lab's budget over the default run (SmolLM2, five turns, its warm start, which every arm
 shares with the default run's): GRPO without a reference KL, batches of 2 tasks x 4 attempts
 (one update a step); the dynamic arm 3 steps, drawing at most 6 extra groups a step; a 32-task
-held-out evaluation at the start and the end of each arm (no probe between)."""
+held-out evaluation at the start and the end of each arm (no probe between); rollouts in
+lockstep, as the other coding labs' (`CODING_LAB`)."""
 
 DYNAMIC_QUICK = [*CODING_QUICK, "train.minibatch_size=4", "rollout.dynamic_max_extra_groups=2"]
 """--quick: the tiny model, for a smoke run of the machinery."""

@@ -10,7 +10,8 @@ seed, and the oldest policy version allowed to start it). Each call of `run_once
    the turn with the version of the weights that produced it; with a streaming actor
    (`act.stream`, keelrl's own decoder) it adds those episodes to the batch being decoded and
    runs one decode step, so an episode that becomes ready joins at the next token instead of
-   waiting for a whole batch to finish, and a finished action goes to its environment at once;
+   waiting for a whole batch to finish, and a finished action goes to its environment at once
+   (with `lockstep`: only once no environment work is pending, and never through the stream);
 4. hands back every group whose G episodes are all graded.
 
 An episode waiting on a slow tool call never holds up the others: the next generation batch
@@ -18,7 +19,12 @@ takes whoever is ready. Sampling randomness is per episode (a generator seeded f
 request's seed and the attempt number), so an episode's tokens depend on its task, its seed and
 the weights of each turn, not on which episodes happened to share a batch: a request run
 alone, in a synchronous step or in an asynchronous engine gives the same trajectory when the
-weights are the same.
+weights are the same, up to floating-point rounding. The rounding is the exception: a row's
+logits are rounded differently beside other rows (a decode step's matmul shapes, a prefill's
+chunking), and in bfloat16 that flips a near-tie now and then, so which tool call returned first
+can change an episode's tokens. `EpisodeLimits.lockstep` takes timing out of the batches: it
+generates only when no environment work is pending, every waiting episode at once in admission
+order, so the same requests and weights give the same tokens every time on one machine.
 
 Environment failures. An environment whose `reset` or `step` raises (or returns something other
 than the protocol's str / (str, bool, dict)) ends that episode alone, ungraded: termination
@@ -97,14 +103,24 @@ class EpisodeLimits:
     label_steps: bool
     """Process labels: grade the hidden checks after every turn that can change the code, and
     label each such turn 1 when it raised the pass count, 0 when not (`Trajectory.step_labels`)."""
+    lockstep: bool
+    """Generate only when no environment work is pending: every waiting episode at once, in
+    admission order, through the actor's whole-batch call (never its stream). The decoder's batches
+    are then a function of the requests and what their environments returned, not of which tool
+    call finished first, so a greedy evaluation gives the same tokens every time on one machine
+    (in bfloat16 a row's rounding depends on the rows it shares a step with). Costs the overlap of
+    tool calls with decoding."""
 
     @classmethod
-    def of(cls, rollout: RolloutSettings, max_turns: int, label_steps: bool = False) -> "EpisodeLimits":
+    def of(cls, rollout: RolloutSettings, max_turns: int, label_steps: bool = False,
+           lockstep: bool = False) -> "EpisodeLimits":
         """The limits of the config's rollout section, with `max_turns` turns per episode
-        (env.max_turns) and process labels when `label_steps` (prm.enabled)."""
+        (env.max_turns), process labels when `label_steps` (prm.enabled), and lockstep batches
+        when `lockstep` or rollout.lockstep."""
         return cls(max_turns=max_turns, max_context_tokens=rollout.max_context_tokens,
                    max_new_tokens=rollout.max_new_tokens, env_threads=rollout.env_threads,
-                   interruptible=rollout.interruptible, label_steps=label_steps)
+                   interruptible=rollout.interruptible, label_steps=label_steps,
+                   lockstep=lockstep or rollout.lockstep)
 
 
 def prompt_tokens(tokenizer: Any, first_observation: str, *, tools: list[dict[str, Any]] | None = None,
@@ -526,11 +542,16 @@ class EpisodeScheduler:
         self.stats.in_flight_sum += in_flight
         self.stats.rounds += 1
         self.stats.in_flight_max = max(self.stats.in_flight_max, in_flight)
-        if self.stream is not None and (self._ready or self.stream.busy):
+        if self.cfg.lockstep:
+            if self._ready and not self._futures:
+                self._ready.sort(key=lambda episode: episode.index)
+                self._generate()
+                return []
+        elif self.stream is not None and (self._ready or self.stream.busy):
             results = self._collect(0.0)
             self._stream_round()
             return results
-        if self.stream is None and self._ready:
+        elif self.stream is None and self._ready:
             results = self._collect(0.0)
             self._generate()
             return results

@@ -10,11 +10,14 @@ either alone; `paired_difference` gives it.
 `Evaluator.evaluate` runs the held-out episodes with the policy's current weights, handed to the
 evaluation's decoder through the weights seam (`keelrl.inference.weights`) and sampled in
 `eval.dtype`, and the strong verifier, and reports them, with the process reward model's
-accuracy on their labelled turns when a run has one.
+accuracy on their labelled turns when a run has one. With eval.lockstep (the default) the
+episodes' decode batches do not depend on the order their tool calls finish in
+(`EpisodeLimits.lockstep`), so the same weights give the same evaluation every time on one machine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from typing import Any, Callable, Sequence
@@ -167,7 +170,8 @@ def agent_metrics(report: dict[str, Any], prefix: str) -> dict[str, float]:
 
 class Evaluator:
     """Held-out evaluation of the run's policy (module docstring). `make_env` builds the
-    evaluation environments (strong verifier), `rollout` (one attempt per task) how episodes run."""
+    evaluation environments (strong verifier), `rollout` (one attempt per task) how episodes run,
+    in lockstep when eval.lockstep (whatever `rollout.lockstep` says)."""
 
     def __init__(self, cfg: KeelConfig, model: Any, tokenizer: Any, device: torch.device, make_env: Callable[[], Any],
                  rollout: EpisodeLimits, prm: ProcessRewardModel | None, autocast: Callable[[], Any],
@@ -175,7 +179,8 @@ class Evaluator:
                  test_tool: str = "") -> None:
         self.cfg, self.model, self.tokenizer, self.device = cfg, model, tokenizer, device
         self.edit_tools, self.test_tool, self.family = tuple(edit_tools), test_tool, family
-        self.make_env, self.rollout, self.prm, self.autocast = make_env, rollout, prm, autocast
+        self.make_env, self.prm, self.autocast = make_env, prm, autocast
+        self.rollout = dataclasses.replace(rollout, lockstep=cfg.eval.lockstep)
         self.last_report: dict[str, Any] | None = None
         """The latest evaluation's full report (per kind, per task), for summary.json."""
         self._actor: tuple[Any, Any] | None = None

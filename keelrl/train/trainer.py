@@ -237,8 +237,8 @@ class Trainer:
         return self.env_spec.answer_tools
 
     def _limits(self) -> EpisodeLimits:
-        """The scheduler's episode limits: the rollout section's, env.max_turns, and process labels
-        when the run has a process reward model."""
+        """The scheduler's episode limits: the rollout section's (rollout.lockstep among them),
+        env.max_turns, and process labels when the run has a process reward model."""
         assert self.cfg.env.max_turns is not None  # settled in __init__
         return EpisodeLimits.of(self.cfg.rollout, self.cfg.env.max_turns, label_steps=self.cfg.prm.enabled)
 
