@@ -231,7 +231,7 @@ def _cmd_lab(args: argparse.Namespace) -> int:
         return 2
     console = Console(stderr=True)
     result = run_lab(args.name, args.out, args.overrides, quick=args.quick, seeds=args.seeds,
-                     keep_checkpoints=args.keep_checkpoints,
+                     keep_checkpoints=args.keep_checkpoints, rl_overrides=args.rl,
                      progress=lambda message: console.print(f"[lab {args.name}] {message}", highlight=False))
     print(result.summary)
     for path in result.files:
@@ -538,7 +538,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     lab = sub.add_parser("lab", help="run a lab: a failure mode and its remedy, side by side (list: names)")
     lab.add_argument("name", nargs="?", help="lab name, or 'list'")
-    lab.add_argument("overrides", nargs="*", help="dotted.key=value applied to every training run of the lab")
+    lab.add_argument("overrides", nargs="*", help="dotted.key=value applied to every training run of the lab, "
+                                                  "its warm start included (one the warm start reads makes and "
+                                                  "caches a student of its own)")
+    lab.add_argument("--rl", action="append", default=[], metavar="KEY=VALUE",
+                     help="a dotted.key=value for the arms' RL runs alone, after the overrides: the warm start, "
+                          "and so the cached student, is untouched (repeat for several)")
     lab.add_argument("--out", help="output directory (default runs/lab-NAME)")
     lab.add_argument("--quick", action="store_true", help="a tiny budget, for a smoke run")
     lab.add_argument("--seeds", type=int, default=1,

@@ -12,6 +12,7 @@ import keelrl.labs as labs
 import keelrl.labs.common as common
 from keelrl.cli import main
 from keelrl.config import TINY_RUN
+from keelrl.errors import ConfigError
 from keelrl.labs.seeds import numeric_leaves, over_seeds, spread, verdicts
 
 
@@ -136,6 +137,43 @@ def test_one_seed_says_its_noise_is_the_tasks_alone(tmp_path, monkeypatch):
     monkeypatch.setitem(labs.LABS, "fake", ("a fake lab", lab, labs.GUESS))
     summary = labs.run_lab("fake", tmp_path).summary
     assert "within the noise" in summary and "One seed" in summary and "remedy - base" in summary
+
+
+def test_rl_only_settings_reach_every_arm_and_not_the_warm_start(tmp_path, monkeypatch):
+    seen = {}
+
+    def lab(out, settings, quick, progress):  # settings: what the warm start reads
+        seen.setdefault("warm start", list(settings))
+        seen.setdefault("arms", []).append(common.variant_settings())
+        return labs.LabResult("fake", {}, "ran")
+
+    monkeypatch.setitem(labs.LABS, "fake", ("a fake lab", lab, labs.GUESS))
+    result = labs.run_lab("fake", tmp_path, ["optim.lr=1e-4"], seeds=2, rl_overrides=["algo.kl_coef=0.04"])
+    assert "algo.kl_coef=0.04" not in seen["warm start"] and "optim.lr=1e-4" in seen["warm start"]
+    # the user's overrides, then the RL-only settings, then the repetition's seed
+    assert seen["arms"] == [["optim.lr=1e-4", "algo.kl_coef=0.04", "seed=0"],
+                            ["optim.lr=1e-4", "algo.kl_coef=0.04", "seed=1"]]
+    recorded = json.loads((tmp_path / "results.json").read_text())
+    assert recorded["overrides"] == ["optim.lr=1e-4"] and recorded["rl_overrides"] == ["algo.kl_coef=0.04"]
+    assert "the RL runs alone algo.kl_coef=0.04" in result.summary
+    assert common.variant_settings() == []  # nothing outlives the lab
+    with pytest.raises(ConfigError, match="algo.kl_cof"):  # a bad one fails before any work
+        labs.run_lab("fake", tmp_path / "bad", rl_overrides=["algo.kl_cof=1"])
+    assert not (tmp_path / "bad").exists()
+
+
+def test_keel_lab_rl_reaches_run_lab(monkeypatch, capsys):
+    seen = {}
+
+    def fake_run_lab(name, out, overrides, **options):
+        seen[name] = (list(overrides), options["rl_overrides"])
+        return labs.LabResult(name, {}, "done")
+
+    monkeypatch.setattr(labs, "run_lab", fake_run_lab)
+    assert main(["lab", "dynamic-sampling", "optim.lr=1e-5", "--rl", "algo.kl_coef=0.04", "--rl", "train.steps=2"]) == 0
+    assert main(["lab", "entropy"]) == 0
+    assert seen == {"dynamic-sampling": (["optim.lr=1e-5"], ["algo.kl_coef=0.04", "train.steps=2"]),
+                    "entropy": ([], [])}
 
 
 def test_keel_lab_refuses_fewer_than_one_seed(capsys):

@@ -1,10 +1,10 @@
 """Labs: small, reproducible experiments that show a failure mode and its remedy side by side.
 
-`keel lab NAME [--out DIR] [--quick] [--seeds K] [key=value ...]` runs one lab on CPU within a small budget
+`keel lab NAME [--out DIR] [--quick] [--seeds K] [--rl key=value ...] [key=value ...]` runs one lab on CPU within a small budget
 and writes, into its directory (runs/lab-NAME by default): `summary.md` (what was run and the
 headline numbers), `results.json` (every number behind them) and one or more PNG charts.
 `--quick` shrinks everything for a smoke run; overrides apply to every training run of the
-lab (e.g. `device=cuda`).
+lab (e.g. `device=cuda`), the warm start's included; `--rl key=value` to the arms' RL runs alone.
 
 Labs that compare training variants share one warm start: it runs once per machine and config,
 is kept in keelrl's cache (`keelrl.labs.common.cached_student`; warm/student.json names it), and
@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from keelrl.labs.common import (ENTROPY, GUESS, HACK, KEEP_CHECKPOINTS, LAB_FAST, QUICK, QUICK_GUESS, RL_SEED,
-                                USER_OVERRIDES, LabResult, config)
+from keelrl.labs.common import (ENTROPY, GUESS, HACK, KEEP_CHECKPOINTS, LAB_FAST, QUICK, QUICK_GUESS, RL_OVERRIDES,
+                                RL_SEED, USER_OVERRIDES, LabResult, config)
 from keelrl.labs.credit import CREDIT, CREDIT_QUICK, lab_credit
 from keelrl.labs.distill import DISTILL, DISTILL_QUICK, lab_distill
 from keelrl.labs.dynamic_sampling import DYNAMIC, DYNAMIC_QUICK, lab_dynamic_sampling, lab_dynamic_sampling_guess
@@ -91,8 +91,14 @@ def lab_settings(name: str, overrides: Sequence[str] = (), quick: bool = False) 
 
 def run_lab(name: str, out: str | Path | None = None, overrides: Sequence[str] = (), quick: bool = False,
             progress: Callable[[str], None] | None = None, seeds: int = 1,
-            keep_checkpoints: bool = False) -> LabResult:
+            keep_checkpoints: bool = False, rl_overrides: Sequence[str] = ()) -> LabResult:
     """Run lab `name` into `out` (default runs/lab-NAME); writes summary.md and results.json.
+
+    `overrides` apply to every training run of the lab, its warm start included (so a setting the
+    warm start reads makes a cached student of its own); `rl_overrides` to the arms' RL runs
+    alone, after `overrides` (the warm start, and so the cached student, is untouched): the way
+    to try a setting on a lab's remedy and baseline without a new student. results.json records
+    both (`overrides`, `rl_overrides`).
 
     Each arm's final checkpoint (1.6 GB on SmolLM2) is removed once the arm has finished, unless
     `keep_checkpoints` (`keelrl.labs.common.drop_checkpoint`).
@@ -109,10 +115,12 @@ def run_lab(name: str, out: str | Path | None = None, overrides: Sequence[str] =
     function = LABS[name][1]
     settings = lab_settings(name, overrides, quick)
     first_seed = config(directory, settings).seed  # a bad override fails here, before any work
+    config(directory, [*settings, *rl_overrides])  # and so does a bad RL-only one
     directory.mkdir(parents=True, exist_ok=True)
     say = progress or (lambda message: None)
     started = time.monotonic()
     token = USER_OVERRIDES.set(tuple(overrides))
+    rl_token = RL_OVERRIDES.set(tuple(rl_overrides))
     keep_token = KEEP_CHECKPOINTS.set(keep_checkpoints)
     try:
         if seeds == 1:
@@ -134,9 +142,15 @@ def run_lab(name: str, out: str | Path | None = None, overrides: Sequence[str] =
             result = combine(name, chosen, results)
     finally:
         USER_OVERRIDES.reset(token)
+        RL_OVERRIDES.reset(rl_token)
         KEEP_CHECKPOINTS.reset(keep_token)
     seconds = time.monotonic() - started
-    result.numbers = {**result.numbers, "lab_seconds": round(seconds, 1)}
+    result.numbers = {**result.numbers, "lab_seconds": round(seconds, 1), "overrides": list(overrides),
+                      "rl_overrides": list(rl_overrides)}
+    if overrides or rl_overrides:
+        result.summary += "\n\nSettings given: " + "; ".join(
+            part for part in (f"every run {' '.join(overrides)}" if overrides else "",
+                              f"the RL runs alone {' '.join(rl_overrides)}" if rl_overrides else "") if part) + "."
     result.summary += f"\n\nLab wall time: {seconds:.0f} s" + (f" ({seconds / seeds:.0f} s a seed)." if seeds > 1 else ".")
     write_result(directory, result)
     return result

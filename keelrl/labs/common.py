@@ -257,6 +257,10 @@ def warm_tokenizer(out: Path) -> Any:
 USER_OVERRIDES: ContextVar[tuple[str, ...]] = ContextVar("keel_lab_user_overrides", default=())
 """The overrides the user gave `run_lab`: they win over every setting a lab makes, its variants' too."""
 
+RL_OVERRIDES: ContextVar[tuple[str, ...]] = ContextVar("keel_lab_rl_overrides", default=())
+"""The settings the user gave `run_lab` for the arms' RL runs alone (`keel lab --rl`): they come
+after the user's other overrides, and the warm start (so the cached student) never sees them."""
+
 RL_SEED: ContextVar[tuple[str, ...]] = ContextVar("keel_lab_rl_seed", default=())
 """`seed=N` while `run_lab` runs one seed of several: every variant's RL run takes it (after the
 user's overrides); the warm start, shared by the seeds, does not."""
@@ -307,8 +311,9 @@ def drop_checkpoint(run_dir: Path, progress: Callable[[str], None]) -> int:
 
 
 def variant_settings() -> list[str]:
-    """What every variant's run ends with: the user's overrides, then the seed of this repetition."""
-    return [*USER_OVERRIDES.get(), *RL_SEED.get()]
+    """What every variant's run ends with: the user's overrides, their RL-only settings, then the
+    seed of this repetition."""
+    return [*USER_OVERRIDES.get(), *RL_OVERRIDES.get(), *RL_SEED.get()]
 
 
 def train_variants(out: Path, variants: dict[str, list[str]], overrides: Sequence[str],
