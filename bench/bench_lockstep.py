@@ -4,11 +4,12 @@ whether the same weights give the same tokens.
 Two workloads through the real agent loop (`run_episodes`, the coding environment, sandboxed
 tool calls and grading), from one model: the held-out evaluation (one greedy attempt per task,
 in the dtype `eval.dtype=auto` picks here) and one RL step's rollouts of the SmolLM2 labs' shape
-(tasks x attempts at the rollout temperature, in the same dtype), each run `--repeats` times in
+(tasks x attempts at the rollout temperature, in `rollout.dtype`), each run `--repeats` times in
 each mode, the modes alternating: `stream` (episodes join the batch being decoded as their tool
 calls return, the default for training rollouts) and `lockstep` (a batch only when no
-environment work is pending, every waiting episode at once). One untimed call of each workload
-comes first (the decoder's first weights snapshot, the sandbox's first start). The model is the
+reset or tool call is pending, every waiting episode at once). Each run starts with the weights
+loaded anew, as every evaluation does, so the decoder's stored prefixes and kept histories start
+empty; one untimed call of each workload comes first (the sandbox's first start). The model is the
 labs' cached student (`keelrl.labs.common.cached_student` with the coding labs' settings, made
 once per machine: about 9 minutes on a Zen 5 EPYC when it is not cached yet), so the episodes
 are the multi-turn ones the labs run; `--model` takes another.
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from keelrl.config import load_config
     from keelrl.envs.formats import format_of
-    from keelrl.inference import SamplingParams
+    from keelrl.inference import SamplingParams, deliver
     from keelrl.rollout.agent_loop import model_actor, run_episodes
     from keelrl.train.trainer import Trainer
 
@@ -94,6 +95,7 @@ def main(argv: list[str] | None = None) -> None:
             act = model_actor(trainer.model, trainer.tokenizer, sampling, options)
 
             def once(lockstep: bool) -> dict[str, Any]:
+                deliver(act.decoder, trainer.model, 0)  # type: ignore[attr-defined]  # as each evaluation does: its stores start empty
                 clock = Clock()
                 trajectories = run_episodes(make_env, tasks, trainer.tokenizer, act,
                                             dataclasses.replace(limits, lockstep=lockstep), group_ids=groups, seed=11)

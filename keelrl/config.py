@@ -308,13 +308,14 @@ class RolloutSettings:
     endpoint_key: str = ""
     """Endpoint: the API key requests must carry (Authorization: Bearer KEY); empty: none."""
     lockstep: bool = False
-    """Sync, async and ray: generate only when no environment work (a reset, tool call or grading)
-    is pending, every waiting episode at once in admission order, instead of streaming episodes
-    into the running batch as their tool calls return. The decoder's batches then depend on the
-    requests and what their environments returned, not on which tool call finished first, so a
-    sync run's seed gives the same rollouts token for token on one machine (in bfloat16 a row's
-    rounding depends on the rows it shares a decode step with). It gives up overlapping tool calls
-    with decoding; the measured cost: docs/reliability.md#same-weights-same-tokens. Not with
+    """Sync, async and ray: generate only when no reset or tool call is pending, every waiting
+    episode at once in admission order, instead of streaming episodes into the running batch as
+    their tool calls return. The decoder's batches then depend on the requests admitted and what
+    their environments returned, not on which tool call finished first, so a sync run's seed gives
+    the same rollouts token for token on one machine (in bfloat16 a row's rounding depends on the
+    rows it shares a decode step with; async and ray runs admit requests as the learner
+    publishes, so their batches still follow timing). It gives up overlapping tool calls with
+    decoding; the measured cost: docs/reliability.md#same-weights-same-tokens. Not with
     engine=endpoint, whose harness drives its episodes."""
 
     def __post_init__(self) -> None:

@@ -139,11 +139,25 @@ def test_a_run_logs_the_probe_every_step_reads_it_from_full_evaluations_and_resu
 @pytest.mark.parametrize("lockstep", [True, False])
 def test_evaluation_runs_in_lockstep_unless_told_not_to(tiny_model_dir, tmp_path, monkeypatch, lockstep):
     """eval.lockstep reaches the evaluator's episode limits, whatever rollout.lockstep says; in
-    lockstep two evaluations of the same weights give the same tokens."""
+    lockstep the evaluation never streams (its decoder's stream refuses work here), and two
+    evaluations of the same weights give the same tokens."""
     from keelrl.rollout import agent_loop
     import keelrl.train.evaluation as evaluation
 
+    def actor_that_cannot_stream(*args, **kwargs):
+        act = agent_loop.model_actor(*args, **kwargs)
+        assert act.stream is not None  # keelrl's decoder streams unless lockstep keeps it out
+
+        def refuse(episodes):
+            raise AssertionError("a lockstep evaluation streamed")
+
+        act.stream.submit = refuse
+        return act
+
+    monkeypatch.setattr(evaluation, "model_actor", actor_that_cannot_stream)
+
     overrides = [*TINY_RUN, *FAST_RUN, f"model.path={tiny_model_dir}", "eval.tasks=6", "env.max_turns=3",
+                 "rollout.decoder=keel",
                  f"eval.lockstep={str(lockstep).lower()}", f"rollout.lockstep={str(not lockstep).lower()}"]
     trainer = Trainer(load_config(overrides=[f"run_dir={tmp_path}", *overrides]))
     assert trainer.evaluator.rollout.lockstep is lockstep and trainer._limits().lockstep is not lockstep

@@ -11,7 +11,7 @@ seed, and the oldest policy version allowed to start it). Each call of `run_once
    (`act.stream`, keelrl's own decoder) it adds those episodes to the batch being decoded and
    runs one decode step, so an episode that becomes ready joins at the next token instead of
    waiting for a whole batch to finish, and a finished action goes to its environment at once
-   (with `lockstep`: only once no environment work is pending, and never through the stream);
+   (with `lockstep`: only once no reset or tool call is pending, and never through the stream);
 4. hands back every group whose G episodes are all graded.
 
 An episode waiting on a slow tool call never holds up the others: the next generation batch
@@ -23,7 +23,7 @@ weights are the same, up to floating-point rounding. The rounding is the excepti
 logits are rounded differently beside other rows (a decode step's matmul shapes, a prefill's
 chunking), and in bfloat16 that flips a near-tie now and then, so which tool call returned first
 can change an episode's tokens. `EpisodeLimits.lockstep` takes timing out of the batches: it
-generates only when no environment work is pending, every waiting episode at once in admission
+generates only when no reset or tool call is pending, every waiting episode at once in admission
 order, so the same requests and weights give the same tokens every time on one machine.
 
 Environment failures. An environment whose `reset` or `step` raises (or returns something other
@@ -104,23 +104,23 @@ class EpisodeLimits:
     """Process labels: grade the hidden checks after every turn that can change the code, and
     label each such turn 1 when it raised the pass count, 0 when not (`Trajectory.step_labels`)."""
     lockstep: bool
-    """Generate only when no environment work is pending: every waiting episode at once, in
-    admission order, through the actor's whole-batch call (never its stream). The decoder's batches
-    are then a function of the requests and what their environments returned, not of which tool
-    call finished first, so a greedy evaluation gives the same tokens every time on one machine
-    (in bfloat16 a row's rounding depends on the rows it shares a step with). Costs the overlap of
-    tool calls with decoding."""
+    """Generate only when no reset or tool call is pending (gradings, which start no turn, may
+    still run): every waiting episode at once, in admission order, through the actor's
+    whole-batch call (never its stream). The decoder's batches are then a function of the
+    requests admitted and what their environments returned, not of which tool call finished
+    first, so a greedy evaluation gives the same tokens every time on one machine (in bfloat16 a
+    row's rounding depends on the rows it shares a step with). Costs the overlap of tool calls
+    with decoding: every episode waits for the slowest call of the round (a hung one, for its
+    timeout)."""
 
     @classmethod
-    def of(cls, rollout: RolloutSettings, max_turns: int, label_steps: bool = False,
-           lockstep: bool = False) -> "EpisodeLimits":
-        """The limits of the config's rollout section, with `max_turns` turns per episode
-        (env.max_turns), process labels when `label_steps` (prm.enabled), and lockstep batches
-        when `lockstep` or rollout.lockstep."""
+    def of(cls, rollout: RolloutSettings, max_turns: int, label_steps: bool = False) -> "EpisodeLimits":
+        """The limits of the config's rollout section (rollout.lockstep among them), with
+        `max_turns` turns per episode (env.max_turns) and process labels when `label_steps`
+        (prm.enabled)."""
         return cls(max_turns=max_turns, max_context_tokens=rollout.max_context_tokens,
                    max_new_tokens=rollout.max_new_tokens, env_threads=rollout.env_threads,
-                   interruptible=rollout.interruptible, label_steps=label_steps,
-                   lockstep=lockstep or rollout.lockstep)
+                   interruptible=rollout.interruptible, label_steps=label_steps, lockstep=rollout.lockstep)
 
 
 def prompt_tokens(tokenizer: Any, first_observation: str, *, tools: list[dict[str, Any]] | None = None,
@@ -203,7 +203,8 @@ class SchedulerStats:
     generate_s: float = 0.0
     """Time spent generating actions."""
     idle_s: float = 0.0
-    """Time with no episode ready to act (waiting on tools, gradings, admission or requests)."""
+    """Time with nothing to generate (waiting on tools, gradings, admission or requests; in
+    lockstep also while ready episodes wait for the others' resets and tool calls)."""
     in_flight_sum: float = 0.0
     """Episodes in flight, summed over scheduling rounds (`rounds`)."""
     in_flight_max: int = 0
@@ -543,7 +544,7 @@ class EpisodeScheduler:
         self.stats.rounds += 1
         self.stats.in_flight_max = max(self.stats.in_flight_max, in_flight)
         if self.cfg.lockstep:
-            if self._ready and not self._futures:
+            if self._ready and all(kind == "grade" for kind, _ in self._futures.values()):
                 self._ready.sort(key=lambda episode: episode.index)
                 self._generate()
                 return []
