@@ -175,3 +175,36 @@ def test_evaluation_runs_in_lockstep_unless_told_not_to(tiny_model_dir, tmp_path
     trainer.evaluate()
     assert len(runs) == 2 and sum(len(t.actions) for t in runs[0]) > len(runs[0])  # several turns
     assert [t.token_ids for t in runs[0]] == [t.token_ids for t in runs[1]]
+
+
+def test_a_full_evaluation_runs_the_probes_tasks_as_the_probe_does(tiny_model_dir, tmp_path, monkeypatch):
+    """The evaluation runs the probe's tasks (the first eval.probe_tasks) as a batch of their own,
+    then the rest with the seeds they would have in one call: the probe read from a full
+    evaluation is the probe run alone, token for token."""
+    from keelrl.rollout import agent_loop
+    import keelrl.train.evaluation as evaluation
+
+    calls, tokens = [], []
+
+    def recorded(make_env, tasks, *args, **kwargs):
+        calls.append(([task.id for task in tasks], kwargs["first_index"], kwargs["seed"]))
+        trajectories = agent_loop.run_episodes(make_env, tasks, *args, **kwargs)
+        tokens.append([t.token_ids for t in trajectories])
+        return trajectories
+
+    monkeypatch.setattr(evaluation, "run_episodes", recorded)
+    overrides = [*TINY_RUN, *FAST_RUN, f"model.path={tiny_model_dir}", "eval.tasks=6", "eval.probe_tasks=2",
+                 "env.max_turns=3"]
+    trainer = Trainer(load_config(overrides=[f"run_dir={tmp_path}", *overrides]))
+    ids = [task.id for task in trainer.heldout_tasks[:6]]
+    trainer.evaluate()
+    full = trainer.last_eval_report
+    assert calls == [(ids[:2], 0, trainer.cfg.seed + 7919), (ids[2:], 2, trainer.cfg.seed + 7919)]
+    calls.clear()
+    _, alone = trainer.evaluator.run(trainer.probe_tasks())
+    assert calls == [(ids[:2], 0, trainer.cfg.seed + 7919)]
+    assert {task: full["task_success"][task] for task in ids[:2]} == alone["task_success"]
+    assert tokens[0] == tokens[2]  # the probe's episodes in the full evaluation and alone
+    calls.clear()
+    trainer.evaluate(trainer.heldout_tasks[:6])  # tasks given: one batch
+    assert calls == [(ids, 0, trainer.cfg.seed + 7919)]

@@ -29,13 +29,14 @@ __all__ = ["ActFn", "ActionStream", "EpisodeInFlight", "EpisodeLimits", "model_a
 
 def run_episodes(make_env: Callable[[], Any], tasks: Sequence[Any], tokenizer: Any, act: ActFn,
                  cfg: EpisodeLimits, *, version: int = 0, group_ids: Sequence[int] | None = None,
-                 seed: int = 0) -> list[Trajectory]:
+                 seed: int = 0, first_index: int = 0) -> list[Trajectory]:
     """One episode per entry of `tasks` (repeat a task G times for a group); returns trajectories.
 
-    Episode i samples from a generator seeded with (seed, i), whatever else runs beside it.
+    Episode i samples from a generator seeded with (seed, first_index + i), whatever else runs
+    beside it; `first_index` lets a list run in parts with the seeds it would have in one call.
     """
-    requests = [GroupRequest(index=i, task=task, group_size=1, seed=seed * 1_000_033 + i,
-                             group_id=group_ids[i] if group_ids is not None else i, min_version=version)
+    requests = [GroupRequest(index=first_index + i, task=task, group_size=1, seed=seed * 1_000_033 + first_index + i,
+                             group_id=group_ids[i] if group_ids is not None else first_index + i, min_version=version)
                 for i, task in enumerate(tasks)]
     scheduler = EpisodeScheduler(make_env, tokenizer, act, cfg, refresh=lambda: version)
     try:

@@ -193,15 +193,21 @@ class Evaluator:
         wanted, _ = resolve_dtype(self.cfg.eval.dtype, "eval", self.model, self.device)
         return wanted
 
-    def evaluate(self, tasks: Sequence[Any], version: int = 0) -> dict[str, float]:
+    def evaluate(self, tasks: Sequence[Any], version: int = 0, apart: int = 0) -> dict[str, float]:
         """Held-out success with the strong verifier, one attempt per task of `tasks`, under the
-        policy's current weights (policy `version`); its full report becomes `last_report`."""
-        metrics, self.last_report = self.run(tasks, version)
+        policy's current weights (policy `version`); its full report becomes `last_report`.
+        `apart` as in `run`."""
+        metrics, self.last_report = self.run(tasks, version, apart)
         return metrics
 
-    def run(self, tasks: Sequence[Any], version: int = 0) -> tuple[dict[str, float], dict[str, Any]]:
+    def run(self, tasks: Sequence[Any], version: int = 0, apart: int = 0) -> tuple[dict[str, float], dict[str, Any]]:
         """`evaluate` without keeping the report: (the metrics row's eval/* figures, the full
-        report of `heldout_report`, with the agent's figures under "agent")."""
+        report of `heldout_report`, with the agent's figures under "agent").
+
+        The first `apart` tasks (the probe's, when the trainer evaluates) run as a batch of their
+        own before the rest, with the seeds they have in one call: their episodes are then the ones
+        `run(tasks[:apart])` gives under the same weights, token for token in lockstep, so the probe
+        read from this evaluation and the probe run alone agree."""
         tasks = list(tasks)
         sampling = SamplingParams(temperature=self.cfg.eval.temperature, top_p=1.0,
                                   max_new_tokens=self.cfg.rollout.max_new_tokens, keep_kv=self.cfg.rollout.keep_kv,
@@ -214,8 +220,10 @@ class Evaluator:
             self._actor = ((sampling, options), model_actor(self.model, self.tokenizer, sampling, options))
         act = self._actor[1]
         deliver(act.decoder, self.model, version)  # type: ignore[union-attr]
-        trajectories = run_episodes(self.make_env, tasks, self.tokenizer, act, self.rollout,
-                                    seed=self.cfg.seed + 7919)
+        parts = [(0, tasks[:apart]), (apart, tasks[apart:])] if 0 < apart < len(tasks) else [(0, tasks)]
+        trajectories = [trajectory for first, part in parts
+                        for trajectory in run_episodes(self.make_env, part, self.tokenizer, act, self.rollout,
+                                                       seed=self.cfg.seed + 7919, first_index=first)]
         report = heldout_report(trajectories, [getattr(task, "kind", "all") for task in tasks],
                                 None if self.family is None else [self.family(task) for task in tasks])
         agent = agent_report(trajectories, self.edit_tools, self.test_tool)
