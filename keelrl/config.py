@@ -412,8 +412,8 @@ class EvalConfig:
     same tasks every time), evaluated as the evaluation is every `probe_every` steps between the
     full evaluations and logged as probe/success, probe/lift (paired against the probe as RL
     started) and probe/seconds (its cost); at step 0 and at each full evaluation its figures are
-    read from that evaluation, at no cost (which runs the probe's tasks first, as a batch of
-    their own, so they are what the probe alone would give). The divergence alarm reads it (monitor.eval_metric=auto),
+    read from that evaluation, with no episodes of its own (in lockstep the evaluation runs the
+    probe's tasks first, as a batch of their own, so they are what the probe alone would give). The divergence alarm reads it (monitor.eval_metric=auto),
     so the training reward has an independent curve beside it at every step. 0: off."""
     probe_every: int = 1
     """Run the probe every this many steps (between full evaluations)."""

@@ -663,6 +663,31 @@ def test_the_scheduler_streams_episodes_into_the_running_batch(tmp_path, monkeyp
     assert usage[True]["steps"] < usage[False]["steps"]
 
 
+def test_a_list_run_in_parts_samples_what_one_call_samples(tmp_path):
+    """run_episodes' first_index: tasks[:k] and then tasks[k:] from index k give the episodes
+    (tokens, group ids) one call gives, at a sampling temperature (each episode's seed follows
+    its index)."""
+    from conftest import limits
+    from keelrl.envs.guess import GuessEnvFactory, guess_tasks
+    from keelrl.rollout.agent_loop import model_actor, run_episodes
+
+    model, tokenizer = _guessing_model(tmp_path, seed=4)
+    tasks = guess_tasks(6, n=20, seed=2)
+    rollout = limits(max_turns=3, max_context_tokens=1000, max_new_tokens=12, env_threads=2, lockstep=True)
+
+    def run(part, first):
+        act = model_actor(model, tokenizer, SamplingParams(temperature=1.0, max_new_tokens=12, keep_kv=True),
+                          DecoderOptions(decoder="keel", max_batch=8))
+        return run_episodes(GuessEnvFactory(3, "strong"), part, tokenizer, act, rollout, seed=9, first_index=first)
+
+    whole = run(tasks, 0)
+    parts = run(tasks[:2], 0) + run(tasks[2:], 2)
+    assert [t.token_ids for t in parts] == [t.token_ids for t in whole]
+    assert [t.group_id for t in parts] == [t.group_id for t in whole] == list(range(6))
+    shifted = run(tasks[2:], 0)  # the same tasks from index 0: other seeds, other samples
+    assert [t.token_ids for t in shifted] != [t.token_ids for t in whole[2:]]
+
+
 def test_an_unknown_decoder_fails_at_config_time_naming_the_field():
     from keelrl.components import check
     from keelrl.config import load_config

@@ -346,7 +346,7 @@ def test_environment_work_is_handled_in_the_order_it_was_sent():
 
 
 def test_lockstep_batches_do_not_depend_on_which_tool_call_returns_first():
-    """With EpisodeLimits.lockstep the scheduler generates only when no environment work is
+    """With EpisodeLimits.lockstep the scheduler generates only when no reset or tool call is
     pending: every batch is all the unfinished episodes, in admission order, through the actor's
     whole-batch call and never its stream. Tool calls that return lowest task first or highest
     task first give the same batches, the ones worked out by hand from the episodes' lengths."""
@@ -381,6 +381,34 @@ def test_lockstep_batches_do_not_depend_on_which_tool_call_returns_first():
                 [(1, 2), (2, 2), (4, 2), (5, 2)], [(2, 3), (5, 3)]]
     assert run(lambda task, turn: 0.01 * task) == expected
     assert run(lambda task, turn: 0.01 * (5 - task)) == expected
+
+
+def test_lockstep_does_not_wait_for_gradings():
+    """A grading starts no turn, so lockstep generates beside one: task 0's grading waits until
+    the next batch (task 1's second turn) has been generated, and would time out waiting if
+    lockstep held that batch back for it."""
+    import threading
+
+    from keelrl.rollout.agent_loop import run_episodes
+
+    acted, seen_by_grade = threading.Event(), []
+    batches = []
+
+    class SlowGradeEnv(LatencyEnv):
+        def grade(self):
+            if self.task == 0:
+                seen_by_grade.append(acted.wait(10))
+            return super().grade()
+
+    def act(active):
+        batches.append([episode.request.task for episode in active])
+        if len(batches) == 2:
+            acted.set()
+        return [([97], [0.0], "a") for _ in active]
+
+    run_episodes(lambda: SlowGradeEnv(lambda task, turn: 0.0, lambda task: 1 + 2 * task), [0, 1], ByteTokenizer(),
+                 act, limits(env_threads=2, lockstep=True), seed=0)
+    assert batches == [[0, 1], [1], [1]] and seen_by_grade == [True]
 
 
 def test_lockstep_settings():

@@ -283,12 +283,13 @@ class Trainer:
     def evaluate(self, tasks: Sequence[Any] | None = None) -> dict[str, float]:
         """Held-out success with the strong verifier, one attempt per task (keelrl.train.evaluation),
         under the current weights (`policy_version`): `tasks`, or the first eval.tasks held-out
-        tasks, the probe's leading as a batch of their own (`Evaluator.run`'s `apart`)."""
+        tasks, the probe's leading as a batch of their own in lockstep (`Evaluator.run`'s `apart`)."""
         if tasks is not None:
             return self.evaluator.evaluate(tasks, version=self.policy_version)
-        # the probe's tasks lead the held-out list: a batch of their own, as when the probe runs alone
+        # the probe's tasks lead the held-out list: in lockstep a batch of their own, as when the
+        # probe runs alone (streamed, their batches follow timing anyway)
         return self.evaluator.evaluate(self.heldout_tasks[: self.cfg.eval.tasks], version=self.policy_version,
-                                       apart=len(self.probe_tasks()))
+                                       apart=len(self.probe_tasks()) if self.cfg.eval.lockstep else 0)
 
     def probe_tasks(self) -> list[Any]:
         """The held-out probe's tasks: the first `eval.probe_tasks` of the evaluation's (all of them
