@@ -322,13 +322,14 @@ def test_the_rollout_fields_default_and_validate_naming_the_dotted_field():
 
 # ----------------------------------------------------------------- wired in
 def test_eval_auto_evaluates_in_the_measured_dtype(monkeypatch, tiny_model_dir):
+    from keelrl.rollout.scheduler import EpisodeLimits
     from keelrl.train.evaluation import Evaluator
 
     FakeProbes(monkeypatch)  # decode: bf16 faster
     model, tokenizer = load_policy(str(tiny_model_dir), CPU)
     cfg = load_config(overrides=["eval.dtype=auto"])
-    evaluator = Evaluator(cfg, model, tokenizer, CPU, make_env=lambda: None, rollout=None, prm=None,
-                          autocast=lambda: None)
+    evaluator = Evaluator(cfg, model, tokenizer, CPU, make_env=lambda: None, rollout=EpisodeLimits.of(cfg.rollout, 2),
+                          prm=None, autocast=lambda: None)
     assert evaluator.eval_dtype() == torch.bfloat16 and model.dtype == torch.float32
     FakeProbes(monkeypatch, decode=(0.01, 0.03))
     precision.measurement(model, CPU, refresh=True)
