@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.error
 import urllib.request
 
 import pytest
@@ -32,12 +33,20 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
         return error.code, json.loads(error.read() or b"{}")
 
 
-def _harness(url: str, errors: list[BaseException]) -> None:
-    """Plays episodes until the run needs no more: every observation goes back as a tool message."""
+def _harness(url: str, errors: list[BaseException], run_over: threading.Event) -> None:
+    """Plays episodes until the run needs no more: every observation goes back as a tool message.
+    The run says so with 410 while its endpoint closes; a harness that asks again only after the
+    endpoint has gone finds its port closed, which ends it too once the run is over (`run_over`;
+    a refused connection before that is an error)."""
     client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
     try:
         while True:
-            status, episode = _post(f"{url}/keel/v1/episodes", {"wait_s": 5})
+            try:
+                status, episode = _post(f"{url}/keel/v1/episodes", {"wait_s": 5})
+            except urllib.error.URLError as error:
+                if run_over.is_set() and isinstance(error.reason, ConnectionRefusedError):
+                    return
+                raise
             if status == 410:
                 return
             if status == 503:
@@ -73,12 +82,14 @@ def test_endpoint_episodes_equal_the_in_process_loop_token_for_token(tiny_model_
     engine = EndpointEngine(trainer.requests_for, max_staleness=0, **parts)
     engine.last_step = 1
     errors: list[BaseException] = []
+    run_over = threading.Event()
     try:
         engine.start(0)
-        harness = threading.Thread(target=_harness, args=(engine.url, errors))
+        harness = threading.Thread(target=_harness, args=(engine.url, errors, run_over))
         harness.start()
         served = engine.batch(1).trajectories
     finally:
+        run_over.set()  # from here on the endpoint may close under the harness
         engine.close()
     harness.join(timeout=60)
     assert not errors, errors
