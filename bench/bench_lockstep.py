@@ -65,8 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     import tempfile
 
     from keelrl.config import load_config
-    from keelrl.envs.formats import format_of
-    from keelrl.inference import SamplingParams, deliver
+    from keelrl.inference import deliver
     from keelrl.rollout.agent_loop import model_actor, run_episodes
     from keelrl.train.trainer import Trainer
 
@@ -77,21 +76,19 @@ def main(argv: list[str] | None = None) -> None:
         cfg = load_config(overrides=[f"model.path={model}", f"run_dir={Path(scratch) / 'run'}",
                                      f"eval.tasks={args.eval_tasks}", *small])
         trainer = Trainer(cfg)
-        rollout_options = trainer.decoder_options()
-        eval_options = dataclasses.replace(rollout_options, dtype=trainer.evaluator.eval_dtype())
+        evaluator = trainer.evaluator
+        rollout_options, eval_options = trainer.decoder_options(), evaluator.decoder_options()
         dtypes = {"evaluation": str(eval_options.dtype).replace("torch.", ""),
                   "rollout": str(rollout_options.dtype).replace("torch.", "")}
         evaluation = trainer.heldout_tasks[:args.eval_tasks]
         rollout = [task for task in trainer.train_tasks[:args.rollout_tasks] for _ in range(args.group)]
-        workloads = {
-            "evaluation": (trainer.evaluator.make_env, evaluation, trainer.evaluator.rollout, 0.0, None, eval_options),
-            "rollout": (trainer.train_env_factory(), rollout, trainer._limits(), cfg.rollout.temperature,
-                        [i // args.group for i in range(len(rollout))], rollout_options),
+        workloads = {  # each as a run samples it: the evaluator's settings, the rollouts'
+            "evaluation": (evaluator.make_env, evaluation, evaluator.rollout, None, evaluator.sampling(), eval_options),
+            "rollout": (trainer.train_env_factory(), rollout, trainer._limits(),
+                        [i // args.group for i in range(len(rollout))], trainer.rollout_sampling(), rollout_options),
         }
         results: dict[str, dict[str, list[dict[str, Any]]]] = {name: {mode: [] for mode in MODES} for name in workloads}
-        for name, (make_env, tasks, limits, temperature, groups, options) in workloads.items():
-            sampling = SamplingParams(temperature=temperature, top_p=1.0, max_new_tokens=cfg.rollout.max_new_tokens,
-                                      keep_kv=cfg.rollout.keep_kv, stop=format_of(cfg.env.tool_format).stop)
+        for name, (make_env, tasks, limits, groups, sampling, options) in workloads.items():
             act = model_actor(trainer.model, trainer.tokenizer, sampling, options)
 
             def once(lockstep: bool) -> dict[str, Any]:

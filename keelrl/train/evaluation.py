@@ -193,6 +193,17 @@ class Evaluator:
         wanted, _ = resolve_dtype(self.cfg.eval.dtype, "eval", self.model, self.device)
         return wanted
 
+    def sampling(self) -> SamplingParams:
+        """How the evaluation samples actions: at eval.temperature, stopping as the rollouts stop."""
+        return SamplingParams(temperature=self.cfg.eval.temperature, top_p=1.0,
+                              max_new_tokens=self.cfg.rollout.max_new_tokens, keep_kv=self.cfg.rollout.keep_kv,
+                              stop=format_of(self.cfg.env.tool_format).stop)
+
+    def decoder_options(self) -> DecoderOptions:
+        """The evaluation's decoder: the rollouts' (rollout.decoder, kv_budget_mb, eager) in `eval_dtype`."""
+        return DecoderOptions(decoder=self.cfg.rollout.decoder, dtype=self.eval_dtype(),
+                              kv_budget_mb=self.cfg.rollout.kv_budget_mb, eager=self.cfg.rollout.eager)
+
     def evaluate(self, tasks: Sequence[Any], version: int = 0, apart: int = 0) -> dict[str, float]:
         """Held-out success with the strong verifier, one attempt per task of `tasks`, under the
         policy's current weights (policy `version`); its full report becomes `last_report`.
@@ -209,11 +220,7 @@ class Evaluator:
         `run(tasks[:apart])` gives under the same weights, token for token in lockstep, so the probe
         read from this evaluation and the probe run alone agree."""
         tasks = list(tasks)
-        sampling = SamplingParams(temperature=self.cfg.eval.temperature, top_p=1.0,
-                                  max_new_tokens=self.cfg.rollout.max_new_tokens, keep_kv=self.cfg.rollout.keep_kv,
-                                  stop=format_of(self.cfg.env.tool_format).stop)  # as the rollouts stop
-        options = DecoderOptions(decoder=self.cfg.rollout.decoder, dtype=self.eval_dtype(),
-                                 kv_budget_mb=self.cfg.rollout.kv_budget_mb, eager=self.cfg.rollout.eager)
+        sampling, options = self.sampling(), self.decoder_options()
         self.model.eval()
         if self._actor is None or self._actor[0] != (sampling, options):
             # one decoder for every evaluation of the run (an engine like vLLM starts once), new weights each time
