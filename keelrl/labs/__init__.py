@@ -147,10 +147,10 @@ def run_lab(name: str, out: str | Path | None = None, overrides: Sequence[str] =
     seconds = time.monotonic() - started
     result.numbers = {**result.numbers, "lab_seconds": round(seconds, 1), "overrides": list(overrides),
                       "rl_overrides": list(rl_overrides)}
-    if overrides or rl_overrides:
-        result.summary += "\n\nSettings given: " + "; ".join(
-            part for part in (f"every run {' '.join(overrides)}" if overrides else "",
-                              f"the RL runs alone {' '.join(rl_overrides)}" if rl_overrides else "") if part) + "."
+    given = [f"{where} {' '.join(values)}" for where, values in
+             (("every run", overrides), ("the RL runs alone", rl_overrides)) if values]
+    if given:
+        result.summary += "\n\nSettings given: " + "; ".join(given) + "."
     result.summary += f"\n\nLab wall time: {seconds:.0f} s" + (f" ({seconds / seeds:.0f} s a seed)." if seeds > 1 else ".")
     write_result(directory, result)
     return result
