@@ -269,14 +269,27 @@ def test_training_labs_run_at_the_quick_budget(tmp_path, name):
 
 
 @pytest.mark.slow
-def test_coding_reward_hacking_lab_trains_three_verifiers_and_replays_their_episodes(tmp_path):
+def test_coding_reward_hacking_lab_trains_three_verifiers_and_replays_their_episodes(tmp_path, monkeypatch):
     """--quick swaps SmolLM2 for the tiny model: weak, brittle and strong from one student, the
-    strong verifier's probe at every step, and every saved episode of every arm replayed and put
-    in the audit's families (the tiny model's code is never right: no family is `correct`)."""
+    strong verifier's probe at every step (its start evaluated once, by the first arm), and every
+    saved episode of every arm replayed and put in the audit's families (the tiny model's code is
+    never right: no family is `correct`)."""
     from keelrl.audit.trajectories import run_episodes
+    from keelrl.train.trainer import Trainer
 
+    evaluated = []
+    real = Trainer.evaluate
+    monkeypatch.setattr(Trainer, "evaluate", lambda self, tasks=None: evaluated.append(
+        (self.run_dir.name, self.policy_version)) or real(self, tasks))
     assert "model.path=smollm2" in lab_settings("reward-hacking")
     result = run_lab("reward-hacking", tmp_path, quick=True)
+    # the start once (the first arm's), then each arm's end (eval.every=2, 2 steps of one update)
+    assert [version for arm, version in evaluated if arm == "weak"][0] == 0
+    assert sorted(arm for arm, version in evaluated if version == 0) == ["weak"]
+    assert sorted(arm for arm, version in evaluated if version > 0) == ["brittle", "strong", "weak"]
+    starts = [json.loads((tmp_path / arm / "metrics.jsonl").read_text().splitlines()[0])
+              for arm in ("weak", "brittle", "strong")]
+    assert all(row["step"] == 0 and row == starts[0] for row in starts)
     assert set(result.numbers) - {"lab_seconds"} == {"weak", "brittle", "strong"}
     census = json.loads((tmp_path / "census.json").read_text())
     for arm in ("weak", "brittle", "strong"):

@@ -208,3 +208,48 @@ def test_a_full_evaluation_runs_the_probes_tasks_as_the_probe_does(tiny_model_di
     calls.clear()
     trainer.evaluate(trainer.heldout_tasks[:6])  # tasks given: one batch
     assert calls == [(ids, 0, trainer.cfg.seed + 7919)]
+
+
+def test_a_run_given_its_start_evaluation_takes_it_as_step_0_without_evaluating(tiny_model_dir, tmp_path,
+                                                                                 monkeypatch):
+    """Trainer.start_evaluation (a lab's arms from one student, `train_variants`' share_start): a
+    second run from the same weights logs the first's evaluation before RL, and the probe's start
+    read from it, at step 0, and evaluates only at its end; a run that warm-starts refuses it
+    before any work."""
+    from keelrl.labs.common import start_evaluation
+
+    overrides = [*TINY_RUN, *FAST_RUN, f"model.path={tiny_model_dir}", "rollout.engine=sync", "train.steps=1",
+                 "eval.every=1", "eval.tasks=4", "eval.probe_tasks=3", "warm_start.demos=0",
+                 "train.minibatch_size=2"]
+
+    def read(run):
+        return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    Trainer(load_config(overrides=[f"run_dir={first}", *overrides])).run()
+    given = start_evaluation(first, read(first))
+    assert given is not None and given[0]["eval/tasks"] == 4 and len(given[1]["task_success"]) == 4
+
+    evaluated = []
+    real = Trainer.evaluate
+    monkeypatch.setattr(Trainer, "evaluate",
+                        lambda self, tasks=None: evaluated.append(self.policy_version) or real(self, tasks))
+    trainer = Trainer(load_config(overrides=[f"run_dir={second}", *overrides]))
+    trainer.start_evaluation = given
+    trainer.run()
+    assert evaluated == [1]  # the end's evaluation alone
+
+    def start_row(run):
+        return {key: value for key, value in read(run)[0].items() if key.startswith(("eval/", "probe/"))}
+
+    assert read(second)[0]["step"] == 0 and start_row(second) == start_row(first)
+    assert start_row(second)["probe/tasks"] == 3 and start_row(second)["probe/seconds"] == 0.0
+    summaries = [json.loads((run / "summary.json").read_text()) for run in (first, second)]
+    assert summaries[1]["heldout"]["warm_start"] == summaries[0]["heldout"]["warm_start"]
+    assert summaries[1]["probe"]["start"] == summaries[0]["probe"]["start"]
+
+    warm = Trainer(load_config(overrides=[f"run_dir={tmp_path / 'warm'}", *overrides, "warm_start.demos=4"]))
+    warm.start_evaluation = given
+    with pytest.raises(ValueError, match="warm_start.demos=0"):
+        warm.run()
+    assert not (tmp_path / "warm" / "metrics.jsonl").exists()

@@ -317,31 +317,55 @@ def variant_settings() -> list[str]:
 
 
 def train_variants(out: Path, variants: dict[str, list[str]], overrides: Sequence[str],
-                   progress: Callable[[str], None], trainers: dict[str, Any] | None = None
-                   ) -> dict[str, list[dict[str, Any]]]:
+                   progress: Callable[[str], None], trainers: dict[str, Any] | None = None,
+                   share_start: bool = False) -> dict[str, list[dict[str, Any]]]:
     """Run each variant from the shared warm start; returns each variant's metrics rows.
 
     Pass `trainers` to get each variant's trained `Trainer` back in it. The user's overrides
     (`run_lab`'s) are applied again after each variant's own settings, so they win there too.
     Each variant is one `train_variant`: one that finished before in its directory with the same
     config is kept, not trained again, unless `trainers` asks for its trainer.
+
+    `share_start`: every variant keeps its evaluation before RL in its own metrics (its probe
+    curve and alarms start there), but only the first runs it; the others take the first's
+    (`start_evaluation`), the same weights evaluated the same way (each variant's settings must
+    leave the evaluation alone).
     """
     model = warm_model(out, overrides, progress)
-    runs = {}
+    runs: dict[str, list[dict[str, Any]]] = {}
+    start = None
     for label, extra in variants.items():
         cfg = config(out / label, [*overrides, *extra, *variant_settings(), f"model.path={model}", "warm_start.demos=0"])
-        runs[label] = train_variant(label, cfg, progress, trainers)
+        runs[label] = train_variant(label, cfg, progress, trainers, start=start)
+        if share_start and start is None:
+            start = start_evaluation(Path(cfg.run_dir), runs[label])
     return runs
 
 
+def start_evaluation(run_dir: Path, rows: list[dict[str, Any]]) -> tuple[dict[str, float], dict[str, Any]] | None:
+    """A finished run's evaluation before RL as `Trainer.start_evaluation` takes it: its step-0
+    eval/* metrics and the report summary.json keeps of it (None when it made none)."""
+    from keelrl.runs import SUMMARY
+
+    metrics = {key: value for row in rows if row.get("step") == 0
+               for key, value in row.items() if key.startswith("eval/")}
+    try:
+        report = json.loads((run_dir / SUMMARY).read_text())["heldout"]["warm_start"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return (metrics, report) if metrics and report else None
+
+
 def train_variant(label: str, cfg: KeelConfig, progress: Callable[[str], None],
-                  trainers: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+                  trainers: dict[str, Any] | None = None,
+                  start: tuple[dict[str, float], dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """One lab arm: `cfg`'s run, trained and evaluated in `cfg.run_dir`; returns its
     metrics rows. A run that finished before in that directory with the same config (its
     `VARIANT_RECORD`) is kept, not trained again, unless `trainers` asks for its trainer: a stopped
     lab resumes at the first unfinished arm. A finished arm's record gets its wall clock, its
     checkpoint is dropped (`drop_checkpoint`), and its trainer is released before the next arm
-    loads (kept only in `trainers[label]` when given)."""
+    loads (kept only in `trainers[label]` when given). `start`: its evaluation before RL, made by
+    another run from the same weights (`Trainer.start_evaluation`)."""
     from keelrl.config import dump_config
     from keelrl.runs import SUMMARY, atomic_write_text, read_metrics
     from keelrl.train.trainer import Trainer
@@ -355,6 +379,7 @@ def train_variant(label: str, cfg: KeelConfig, progress: Callable[[str], None],
     (run_dir / VARIANT_RECORD).unlink(missing_ok=True)
     started = time.monotonic()
     trainer = Trainer(cfg)
+    trainer.start_evaluation = start
     trainer.run()
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / VARIANT_RECORD, json.dumps(

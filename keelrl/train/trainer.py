@@ -215,6 +215,11 @@ class Trainer:
         update and the end of its logging (its evaluation runs then)."""
         self.skipped_steps = 0
         self.summary: dict[str, Any] = {}
+        self.start_evaluation: tuple[dict[str, float], dict[str, Any]] | None = None
+        """(metrics, report) of an evaluation of these same starting weights made elsewhere, as
+        `evaluate` and `last_eval_report` give them: when set, a fresh run without a warm start
+        takes it as its evaluation before RL instead of running that evaluation (a lab's arms from
+        one student: `keelrl.labs.common.train_variants`' share_start)."""
 
     # ----------------------------------------------------------------- parts
     @property
@@ -414,6 +419,9 @@ class Trainer:
     def _start(self, logger: MetricsLogger, monitor: AlarmMonitor) -> None:
         """A fresh run up to RL: base evaluation, warm start, frozen reference, evaluation before
         RL, and the step-0 checkpoint."""
+        if self.start_evaluation is not None and self.cfg.warm_start.demos > 0:  # it would move the weights
+            raise ValueError("Trainer.start_evaluation is an evaluation of the run's starting weights: it needs "
+                             f"warm_start.demos=0 (this run's is {self.cfg.warm_start.demos})")
         clear_outputs(self.run_dir)
         heldout: dict[str, Any] = {}
         if self.cfg.eval.base and self.cfg.warm_start.demos > 0:
@@ -425,13 +433,17 @@ class Trainer:
         warm = self.warm_start()
         state.freeze_reference(self)
         before: dict[str, float] = {}
-        if self.cfg.eval.before_rl:
+        report = None
+        if self.cfg.eval.before_rl and self.start_evaluation is not None:
+            before, report = dict(self.start_evaluation[0]), self.start_evaluation[1]
+        elif self.cfg.eval.before_rl:
             self.progress("phase", {"phase": "eval (before RL)"})
-            before = self.evaluate()
-            heldout["warm_start"] = self.last_eval_report
+            before, report = self.evaluate(), self.last_eval_report
+        if before:
+            heldout["warm_start"] = report
         self.summary = {"eval_success_before_rl": before.get("eval/success"), **warm, "heldout": heldout}
         if before:
-            before.update(self.probe(self.last_eval_report))
+            before.update(self.probe(report))
         if warm or before:
             logger.log(0, {**warm, **before})
         monitor.update(0, before)
