@@ -212,7 +212,7 @@ def test_a_full_evaluation_runs_the_probes_tasks_as_the_probe_does(tiny_model_di
 
 def test_a_run_given_its_start_evaluation_takes_it_as_step_0_without_evaluating(tiny_model_dir, tmp_path,
                                                                                  monkeypatch):
-    """Trainer.start_evaluation (a lab's arms from one student, `train_variants`' share_start): a
+    """Trainer.start_evaluation (a lab's arms from one student, `train_variants`' evaluate_start_once): a
     second run from the same weights logs the first's evaluation before RL, and the probe's start
     read from it, at step 0, and evaluates only at its end; a run that warm-starts refuses it
     before any work."""

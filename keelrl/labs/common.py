@@ -318,7 +318,7 @@ def variant_settings() -> list[str]:
 
 def train_variants(out: Path, variants: dict[str, list[str]], overrides: Sequence[str],
                    progress: Callable[[str], None], trainers: dict[str, Any] | None = None,
-                   share_start: bool = False) -> dict[str, list[dict[str, Any]]]:
+                   evaluate_start_once: bool = False) -> dict[str, list[dict[str, Any]]]:
     """Run each variant from the shared warm start; returns each variant's metrics rows.
 
     Pass `trainers` to get each variant's trained `Trainer` back in it. The user's overrides
@@ -326,7 +326,7 @@ def train_variants(out: Path, variants: dict[str, list[str]], overrides: Sequenc
     Each variant is one `train_variant`: one that finished before in its directory with the same
     config is kept, not trained again, unless `trainers` asks for its trainer.
 
-    `share_start`: every variant keeps its evaluation before RL in its own metrics (its probe
+    `evaluate_start_once`: every variant keeps its evaluation before RL in its own metrics (its probe
     curve and alarms start there), but only the first runs it; the others take the first's
     (`start_evaluation`), the same weights evaluated the same way (each variant's settings must
     leave the evaluation alone).
@@ -337,7 +337,7 @@ def train_variants(out: Path, variants: dict[str, list[str]], overrides: Sequenc
     for label, extra in variants.items():
         cfg = config(out / label, [*overrides, *extra, *variant_settings(), f"model.path={model}", "warm_start.demos=0"])
         runs[label] = train_variant(label, cfg, progress, trainers, start=start)
-        if share_start and start is None:
+        if evaluate_start_once and start is None:
             start = start_evaluation(Path(cfg.run_dir), runs[label])
     return runs
 

@@ -34,7 +34,7 @@ verifier pays every attempt) and no reference KL (nothing anchors the policy to 
 setting where a hack can spread); the strong verifier's held-out success on the same 32 tasks at
 steps 0, 2 and 4 (a full evaluation at the start and the end, the probe between). The start is one
 student evaluated one way (the verifiers differ in training alone): the first arm evaluates it and
-the others take that evaluation as their step 0 (`train_variants`' share_start)."""
+the others take that evaluation as their step 0 (`train_variants`' evaluate_start_once)."""
 
 HACKING_QUICK = [*CODING_QUICK, "eval.every=2", "eval.probe_tasks=4", "eval.probe_every=1"]
 """--quick: the tiny model, for a smoke run of the machinery."""
@@ -61,7 +61,7 @@ def lab_reward_hacking(out: Path, overrides: Sequence[str], quick: bool,
                        progress: Callable[[str], None]) -> LabResult:
     """Train on `weak`, `brittle` and `strong` from one student; held-out curves by `strong`, the
     divergence alarm's step and the audit's families in each arm's episodes."""
-    runs = train_variants(out, VARIANTS, overrides, progress, share_start=True)
+    runs = train_variants(out, VARIANTS, overrides, progress, evaluate_start_once=True)
     return report(out, runs, progress)
 
 

@@ -219,7 +219,7 @@ class Trainer:
         """(metrics, report) of an evaluation of these same starting weights made elsewhere, as
         `evaluate` and `last_eval_report` give them: when set, a fresh run without a warm start
         takes it as its evaluation before RL instead of running that evaluation (a lab's arms from
-        one student: `keelrl.labs.common.train_variants`' share_start)."""
+        one student: `keelrl.labs.common.train_variants`' evaluate_start_once)."""
 
     # ----------------------------------------------------------------- parts
     @property
