@@ -38,6 +38,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "vllm": ("bench.bench_vllm", "keel's decoder against vLLM and HF generate"),
     "lora": ("bench.bench_lora", "LoRA against full fine-tuning"),
     "lockstep": ("bench.bench_lockstep", "Lockstep batches against streaming"),
+    "proximal": ("bench.bench_proximal", "The first update's proximal log-probs from its own pass"),
 }
 """name -> (module, title), in the order they run and are reported."""
 

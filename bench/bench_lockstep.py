@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Clock, Ratio, Section, arguments, machine, write_section
+from bench.common import Clock, Ratio, Section, arguments, labs_student, machine, write_section
 
 MODES = ("stream", "lockstep")
 
@@ -50,14 +50,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def student(args: argparse.Namespace) -> str:
-    if args.model:
-        return args.model
-    from keelrl.labs.common import CODING_LAB, cached_student
-
-    return str(cached_student(CODING_LAB, progress=lambda message: print(message, flush=True)))
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     started = time.perf_counter()
@@ -69,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     from keelrl.rollout.agent_loop import model_actor, run_episodes
     from keelrl.train.trainer import Trainer
 
-    model = student(args)
+    model = labs_student(args.model)
     small = ["env.show_file=false", "env.max_turns=3", "rollout.max_new_tokens=16", "warm_start.demos=0"] \
         if args.smoke else []
     with tempfile.TemporaryDirectory(prefix="keel-bench-lockstep-") as scratch:

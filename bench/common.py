@@ -99,6 +99,17 @@ def arguments(description: str, *, out: str) -> argparse.ArgumentParser:
     return parser
 
 
+def labs_student(model: str = "") -> str:
+    """`model` (a registered name or a local path) when given, else the SmolLM2 labs' cached student
+    (`keelrl.labs.common.cached_student` with the coding labs' settings; made once per machine
+    when it is not cached yet), so a benchmark's episodes are the multi-turn ones the labs run."""
+    if model:
+        return model
+    from keelrl.labs.common import CODING_LAB, cached_student
+
+    return str(cached_student(CODING_LAB, progress=lambda message: print(message, flush=True)))
+
+
 # --------------------------------------------------------------------------- worker processes
 def run_worker(module: str, spec: dict[str, Any], what: str) -> dict[str, Any]:
     """Run `python -m MODULE --worker SPEC.json` in a fresh process (pinning, threads and memory

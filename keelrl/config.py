@@ -355,7 +355,9 @@ class TrainConfig:
     """Passes over each batch of rollouts."""
     minibatch_size: int = 16
     """Trajectories per optimiser step. Below the step's batch (tasks_per_step x group_size), a
-    step makes several optimiser steps, so importance ratios leave 1 and the clip rule acts."""
+    step makes several optimiser steps, so importance ratios leave 1 and the clip rule acts; a
+    no-grad pass then gives the later minibatches' rows their proximal log-probs (the first
+    update's rows take its own pass's), and none runs with one update a step."""
 
     def __post_init__(self) -> None:
         _positive(epochs=self.epochs, minibatch_size=self.minibatch_size)

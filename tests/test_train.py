@@ -241,7 +241,7 @@ def test_one_update_a_step_takes_its_proximal_logprobs_from_the_update_and_chang
     results = {}
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(AdvantageStage, "prox_from_update", lambda self, batch: False)
+            monkeypatch.setattr(AdvantageStage, "update_gives_prox", lambda self: False)
         run_dir = tmp_path / str(fused)
         trainer = Trainer(load_config(overrides=[*overrides, f"run_dir={run_dir}"]))
         trainer.warm_start()
@@ -259,6 +259,80 @@ def test_one_update_a_step_takes_its_proximal_logprobs_from_the_update_and_chang
     for key in ("policy/loss", "rollout/arrival_is_weight_mean", "rollout/arrival_is_weight_max", "train/reward"):
         assert fused_row[key] == pytest.approx(plain_row[key], rel=1e-4, abs=1e-5), key
     assert fused_row["rollout/arrival_is_weight_max"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_two_updates_a_step_run_the_no_grad_pass_over_the_second_updates_rows_only(tiny_model_dir, tmp_path,
+                                                                                    monkeypatch):
+    """Two minibatches a step: the first update's rows take their proximal log-probs from that
+    update's own pass (it runs on the weights the step started from), so the no-grad pass before
+    the update scores only the second minibatch's rows; the step's weights, losses and arrival
+    weights are those of a step whose pass scored every row."""
+    import torch
+
+    from keelrl.train import advantage as advantage_module
+    from keelrl.train.advantage import AdvantageStage
+
+    overrides = [*TINY_RUN, f"model.path={tiny_model_dir}", "train.steps=1", "rollout.engine=sync", *FAST,
+                 "train.minibatch_size=2", "eval.every=5", "rollout.temperature=0.6"]
+    scored = []
+    real = advantage_module.chunked_token_logprobs
+    monkeypatch.setattr(advantage_module, "chunked_token_logprobs",
+                        lambda model, ids, *a, **k: scored.append(ids.shape[0]) or real(model, ids, *a, **k))
+    results = {}
+    for partial in (True, False):
+        if not partial:
+            monkeypatch.setattr(AdvantageStage, "update_gives_prox", lambda self: False)
+        trainer = Trainer(load_config(overrides=[*overrides, f"run_dir={tmp_path / str(partial)}"]))
+        trainer.warm_start()
+        scored.clear()
+        engine = trainer.make_engine()
+        engine.start(0)
+        rollouts = engine.batch(1)
+        engine.close()
+        first = trainer.learner.first_update_rows([t.group_id for t in rollouts.trajectories], 1)
+        row = trainer.rl_step(1, rollouts)
+        assert row["train/updates"] == 2 and len(first) == 2
+        results[partial] = (row, [p.detach().clone() for p in trainer.model.parameters()], list(scored))
+    (partial_row, partial_params, partial_scored), (plain_row, plain_params, plain_scored) = results[True], results[False]
+    # the policy's pass: the batch's 4 rows against the second update's 2; then the frozen reference's, every row
+    assert plain_scored == [4, 4] and partial_scored == [2, 4]
+    for a, b in zip(partial_params, plain_params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for key in ("policy/loss", "rollout/arrival_is_weight_mean", "rollout/arrival_is_weight_max", "train/reward",
+                "train/grad_norm"):
+        assert partial_row[key] == pytest.approx(plain_row[key], rel=1e-4, abs=1e-5), key
+    assert partial_row["rollout/arrival_is_weight_max"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_the_learner_refuses_own_proximal_rows_outside_the_steps_first_minibatch(tiny_model_dir, tmp_path):
+    """`UpdateInputs.prox_own` may mark only the rows of the step's first minibatch (the only
+    update whose pass runs on the weights the step started from): marking a later one's rows is
+    a ValueError, not ratios against moved weights."""
+    import dataclasses
+
+    import torch
+
+    from keelrl.rollout.trajectory import collate
+
+    cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", "train.steps=1",
+                                 "rollout.engine=sync", *FAST, "train.minibatch_size=2"])
+    trainer = Trainer(cfg)
+    trainer.warm_start()
+    engine = trainer.make_engine()
+    engine.start(0)
+    rollouts = engine.batch(1)
+    engine.close()
+    group_ids = [t.group_id for t in rollouts.trajectories]
+    batch = collate(rollouts.trajectories, trainer.pad_id)
+    first = trainer.learner.first_update_rows(group_ids, 1)
+    inputs = trainer.advantages(batch, first_update=first).inputs
+    assert inputs.prox_own is not None and inputs.prox_own.nonzero().flatten().tolist() == sorted(first)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    later = dataclasses.replace(inputs, prox_own=~inputs.prox_own)
+    with pytest.raises(ValueError, match="first minibatch"):
+        trainer.learner.update(later, group_ids, 1)
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))  # refused before any update
+    assert trainer.learner.update(inputs, group_ids, 1).updates == 2
 
 
 def test_an_environment_that_raises_costs_its_group_not_the_step(tiny_model_dir, tmp_path):

@@ -3,7 +3,8 @@
 In this order, all without gradients:
 1. the no-grad passes: the policy's proximal log-probs (with the critic's values and, for the
    process reward model, the hidden states at labelled turns) unless the update's own pass
-   gives them (`prox_from_update`), and the frozen reference's log-probs (a LoRA policy's
+   gives them: every row's with one update a step (`prox_from_update`), else those of the step's
+   first update (`update_gives_prox`); and the frozen reference's log-probs (a LoRA policy's
    reference: the policy's own model, its adapter off or as RL started, keelrl.policy.lora);
 2. the outcome reward (with `algo.overlong=penalty`, plus DAPO's soft overlong punishment:
    keelrl.algos.overlong) on the last action token, each turn's own reward (`Batch.step_rewards`:
@@ -33,7 +34,7 @@ import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
@@ -182,24 +183,31 @@ class AdvantageStage:
         self.cfg, self.model, self.value_head, self.reference = cfg, model, value_head, reference
         self.prm, self.teacher, self.autocast = prm, teacher, autocast
 
-    def prox_from_update(self, batch: Batch) -> bool:
-        """Whether the proximal log-probs come from the update's own forward pass, not a no-grad pass before it.
+    def update_gives_prox(self) -> bool:
+        """Whether the rows of a step's first update may take their proximal log-probs from that
+        update's own forward pass, which runs on the weights the step started from, instead of a
+        no-grad pass before it (a quarter of the learner's work for those rows).
 
-        When a step makes exactly one update (one epoch, the whole batch one minibatch), every
-        row's forward pass in that update runs on the pre-update weights, so its detached
-        log-probs are the proximal ones: the separate pass (a quarter of the learner's work)
-        is redundant. Not so with a critic, a process reward model or a teacher, which need
-        the pre-update pass's values, hidden states or log-probs before the update starts.
+        Only with one epoch (a second would update those rows again on moved weights) and without
+        a critic, a process reward model or a teacher, which need the pre-update pass's values,
+        hidden states or log-probs for every row before the update starts.
         """
-        train = self.cfg.train
-        return (train.epochs == 1 and batch.input_ids.shape[0] <= train.minibatch_size and self.value_head is None
-                and self.prm is None and self.teacher is None)
+        return (self.cfg.train.epochs == 1 and self.value_head is None and self.prm is None
+                and self.teacher is None)
+
+    def prox_from_update(self, batch: Batch) -> bool:
+        """Whether every row's proximal log-probs come from the update's own pass (`update_gives_prox`
+        with the whole batch one minibatch, one update a step): no no-grad pass at all."""
+        return self.update_gives_prox() and batch.input_ids.shape[0] <= self.cfg.train.minibatch_size
 
     @torch.no_grad()
     def __call__(self, batch: Batch, teacher_view: TeacherView | None = None,
-                 sampled_by_teacher: bool = False) -> Advantages:
+                 sampled_by_teacher: bool = False, first_update: Sequence[int] = ()) -> Advantages:
         """Steps 1-7 of the module docstring over `batch`. `teacher_view`: the teacher's side of
-        the batch (distillation); `sampled_by_teacher`: the teacher sampled the batch (step 6)."""
+        the batch (distillation); `sampled_by_teacher`: the teacher sampled the batch (step 6);
+        `first_update`: the rows of the step's first minibatch (`Learner.first_update_rows`),
+        whose proximal log-probs the update's own pass gives where `update_gives_prox`: the
+        no-grad pass then runs over the other rows only (`UpdateInputs.prox_own`)."""
         algo, temperature = self.cfg.algo, self.cfg.rollout.temperature
         if self.model is not None:  # no dropout in the no-grad passes (model.lora.dropout); the updates train() it again
             self.model.eval()
@@ -208,7 +216,20 @@ class AdvantageStage:
         keys = prefix_keys(self.cfg.perf, batch)
         steps, step_labels = labelled_turns(batch)
         prox_out: dict[str, Tensor] = {}
-        if not self.prox_from_update(batch):
+        prox_own = None
+        whole = self.prox_from_update(batch)
+        own = torch.zeros(batch.input_ids.shape[0], dtype=torch.bool, device=batch.input_ids.device)
+        own[list(first_update)] = True
+        rest = (~own).nonzero(as_tuple=True)[0]
+        if not whole and self.update_gives_prox() and bool(own.any()) and len(rest):  # no-grad: the later updates' rows
+            prox_own = own
+            with self.autocast():
+                rest_logp = chunked_token_logprobs(self.model, batch.input_ids[rest], batch.attention_mask[rest],
+                                                   max_tokens=budget, positions=mask[rest], temperature=temperature,
+                                                   keys=None if keys is None else keys[rest.cpu()])["logp"]
+            prox_out["logp"] = rest_logp.new_zeros(mask.shape)
+            prox_out["logp"][rest] = rest_logp
+        elif not whole:
             with self.autocast():  # the same precision as the update's passes: fresh ratios stay 1
                 prox_out = chunked_token_logprobs(self.model, batch.input_ids, batch.attention_mask, max_tokens=budget,
                                                   value_fn=self.value_head, positions=mask, temperature=temperature,
@@ -268,7 +289,7 @@ class AdvantageStage:
             # a teacher's samples get no RL credit at all (below), so nothing to measure there.
             stats.update(good_turn_credit(advantages, batch))
             stats.update(rejected_turn_credit(advantages, batch))
-        if prox_logp is not None:
+        if prox_logp is not None and prox_own is None:  # else the trainer's, after the update fills the rest
             stats.update(arrival_stats(prox_logp, batch, algo))
         if sampled_by_teacher:  # another policy's samples: distil on them, do not reinforce them
             assert prox_logp is not None  # a teacher keeps the pre-update pass
@@ -279,5 +300,5 @@ class AdvantageStage:
             # The student's own log-probs are now mu: the batch arrives on-policy by construction.
             stats.update(arrival_stats(batch.behaviour_logprobs, batch, algo))
         inputs = UpdateInputs(batch=batch, advantages=advantages, returns=out.returns, old_values=values,
-                              ref_logp=ref_logp, prox_logp=prox_logp, teacher_view=teacher_view)
+                              ref_logp=ref_logp, prox_logp=prox_logp, prox_own=prox_own, teacher_view=teacher_view)
         return Advantages(inputs, stats)

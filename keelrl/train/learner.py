@@ -165,6 +165,10 @@ class UpdateInputs:
     """The frozen reference's log-probs (KL in the loss); None without one."""
     prox_logp: Tensor | None
     """pi_prox of the decoupled objective; None: each update's own (detached) pass gives it."""
+    prox_own: Tensor | None = None
+    """[B] bool, with prox_logp: the rows whose pi_prox is instead their update's own pass, those of
+    the step's first update (`Learner.first_update_rows`), whose forward runs on the weights the
+    step started from; prox_logp holds the other rows' (`AdvantageStage`'s no-grad pass)."""
     teacher_view: TeacherView | None = None
     """The teacher's side of the batch, for distill.form=loss."""
 
@@ -251,23 +255,31 @@ class Learner:
     def update(self, inputs: UpdateInputs, group_ids: Sequence[int], step: int,
                record: TokenRecord | None = None) -> UpdateResult:
         """train.epochs passes over the batch in minibatches of whole groups (`group_order` of
-        `group_ids`, one per row), one optimiser step each. `record`: the first epoch's per-token
+        `group_ids`, one per row), one optimiser step each. Rows without proximal log-probs in
+        `inputs` (none given, or `prox_own`'s) take their update's own, detached; the result's
+        prox_logp has every row's. `record`: the first epoch's per-token
         log-prob, ratio and clip, as its losses see them, are stored there (for episodes/)."""
         train = self.cfg.train
         lr = self.step_lr(step)
         self.model.train()
         sums: dict[str, float] = {}
         updates = skipped = micro_batches = 0
-        rng = random.Random(f"{self.cfg.seed}:minibatch:{step}")
-        prox = inputs.prox_logp if inputs.prox_logp is not None else torch.zeros_like(inputs.batch.behaviour_logprobs)
-        for epoch in range(train.epochs):
-            order = group_order(group_ids, rng)
+        given = inputs.prox_logp
+        prox = given.clone() if given is not None else torch.zeros_like(inputs.batch.behaviour_logprobs)
+        orders = self.orders(group_ids, step)
+        if inputs.prox_own is not None and (set(inputs.prox_own.nonzero().flatten().tolist())
+                                            != set(orders[0][:train.minibatch_size])):
+            raise ValueError("UpdateInputs.prox_own must mark exactly the rows of the step's first minibatch "
+                             "(Learner.first_update_rows): only that update's pass runs on the weights the step "
+                             "started from")
+        for epoch, order in enumerate(orders):
             for start in range(0, len(order), train.minibatch_size):
                 rows = torch.tensor(order[start:start + train.minibatch_size], device=self.device)
                 if not self.has_loss_terms(inputs.batch, rows):  # e.g. every row cut and masked (algo.overlong)
                     continue
+                own = given is None or (inputs.prox_own is not None and epoch == 0 and start == 0)
                 self.optimizer.zero_grad(set_to_none=True)
-                result = self.accumulate_gradients(inputs, rows, record=record if epoch == 0 else None)
+                result = self.accumulate_gradients(inputs, rows, record=record if epoch == 0 else None, own_prox=own)
                 micro_batches += result.passes
                 for micro_rows, width, logp in result.own_logp:
                     prox[micro_rows, :width] = logp
@@ -289,6 +301,17 @@ class Learner:
         return UpdateResult({key: value / max(1, updates) for key, value in sums.items()}, updates, skipped,
                             micro_batches, lr, prox)
 
+    def orders(self, group_ids: Sequence[int], step: int) -> list[list[int]]:
+        """Each epoch's row order for step `step`'s updates (`group_order`, its shuffle seeded by the
+        run's seed and the step); the updates are its train.minibatch_size slices in turn."""
+        rng = random.Random(f"{self.cfg.seed}:minibatch:{step}")
+        return [group_order(group_ids, rng) for _ in range(self.cfg.train.epochs)]
+
+    def first_update_rows(self, group_ids: Sequence[int], step: int) -> list[int]:
+        """The rows of step `step`'s first minibatch: its forward pass runs on the weights the step
+        started from, so its own detached log-probs are pi_prox (`AdvantageStage`)."""
+        return self.orders(group_ids, step)[0][:self.cfg.train.minibatch_size]
+
     def has_loss_terms(self, batch: Batch, rows: Tensor) -> bool:
         """Whether the minibatch `rows` of `batch` has a token any loss term reads: an action token,
         or an observation token of the observation loss. A minibatch without one makes no
@@ -299,16 +322,17 @@ class Learner:
         return (self.cfg.distill.observation_coef > 0 and batch.observation_mask is not None
                 and bool(batch.observation_mask[rows].any()))
 
-    def accumulate_gradients(self, inputs: UpdateInputs, rows: Tensor,
-                             record: TokenRecord | None = None) -> MinibatchResult:
+    def accumulate_gradients(self, inputs: UpdateInputs, rows: Tensor, record: TokenRecord | None = None,
+                             own_prox: bool | None = None) -> MinibatchResult:
         """Backward of the minibatch `rows` of `inputs.batch`, in micro-batches.
 
         Gradients add up in the parameters' .grad (the caller zeroes them first) to those of one
         pass over the whole minibatch: each micro-batch's loss is scaled by `micro_batch_scale`.
         Rows are sorted by length within the minibatch and each micro-batch is cut to its own
-        longest row; a row longer than perf.micro_batch_tokens runs alone. Without proximal
-        log-probs in `inputs`, each micro-batch's own detached log-probs are pi_prox (one update
-        per step: `AdvantageStage.prox_from_update`) and come back in the result.
+        longest row; a row longer than perf.micro_batch_tokens runs alone. With `own_prox` (by
+        default: when `inputs` has no proximal log-probs), each micro-batch's own detached
+        log-probs are pi_prox (rows of the step's first update: `AdvantageStage`) and come back in
+        the result.
         """
         algo, distill, batch = self.cfg.algo, self.cfg.distill, inputs.batch
         mask = batch.action_mask[rows]  # [b, T]
@@ -333,7 +357,7 @@ class Learner:
                                      with_hidden=self.value_head is not None or self.loss_teacher is not None,
                                      positions=scored[group, :width], temperature=self.cfg.rollout.temperature)
             ref = None if inputs.ref_logp is None or algo.kl_in_reward else inputs.ref_logp[micro_rows, :width]
-            if inputs.prox_logp is None:
+            if own_prox or inputs.prox_logp is None:
                 prox = out["logp"].detach().to(batch.behaviour_logprobs.dtype)
                 own_logp.append((micro_rows, width, prox))
             else:

@@ -19,8 +19,9 @@ Used as a surrogate value (`prm.weight` > 0), each labelled turn's action tokens
 `weight x (score - mean score of its group's labelled turns)` added to their advantage: a
 turn the scorer rates above its siblings is credited even when the episode's outcome is not.
 `prm.scorer=false` keeps the labels (and the trajectory-B measurement they give) without the
-scorer: nothing then needs the hidden states, so a step that makes one update takes its
-proximal log-probs from that update's own pass (`AdvantageStage.prox_from_update`).
+scorer: nothing then needs the hidden states, so a step's first update takes its rows' proximal
+log-probs from its own pass, and a step that makes one update runs no no-grad pass at all
+(`AdvantageStage.update_gives_prox`).
 """
 
 from __future__ import annotations

@@ -370,12 +370,14 @@ class Trainer:
         batch = collate(trajectories, self.pad_id).to(self.device)
         view = None if self.teacher is None else self.teacher.view(batch, trajectories, self.pad_id)
         # 3. advantages
-        estimated = self.advantages(batch, view, sampled_by_teacher=rollouts.sampled_by_teacher)
+        group_ids = [t.group_id for t in trajectories]
+        estimated = self.advantages(batch, view, sampled_by_teacher=rollouts.sampled_by_teacher,
+                                    first_update=self.learner.first_update_rows(group_ids, step))
         # 4. updates
         record = TokenRecord.like(batch.behaviour_logprobs) if self.cfg.output.save_episodes else None
-        update = self.learner.update(estimated.inputs, [t.group_id for t in trajectories], step, record)
+        update = self.learner.update(estimated.inputs, group_ids, step, record)
         self.skipped_steps += update.skipped
-        if estimated.inputs.prox_logp is None:  # the updates' own passes gave pi_prox
+        if estimated.inputs.prox_logp is None or estimated.inputs.prox_own is not None:  # updates' passes gave pi_prox
             estimated.stats.update(arrival_stats(update.prox_logp, estimated.inputs.batch, self.cfg.algo))
         # 6. log (5, publishing, follows in `run`)
         seconds = time.monotonic() - started
