@@ -80,9 +80,13 @@ def run_update(namespace, batch: Batch, advantages: torch.Tensor):
     rows = torch.arange(batch.input_ids.shape[0])
     inputs = UpdateInputs(batch, advantages, torch.zeros_like(advantages), None, None, batch.behaviour_logprobs,
                           teacher_view=namespace.view)
-    metrics = Learner.accumulate_gradients(namespace, inputs, rows).metrics
+    result = Learner.accumulate_gradients(namespace, inputs, rows)
     grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
-    return metrics, grads
+    sampled = torch.full(batch.input_ids.shape, float("nan"), dtype=torch.float64)  # the teacher's, where scored
+    for micro_rows, width, logp in result.teacher_logp:
+        sampled[micro_rows, :width] = logp
+    namespace.teacher_sampled = sampled
+    return result.metrics, grads
 
 
 @pytest.mark.parametrize("divergence,beta,top_k", [("reverse_kl", 0.5, 0), ("forward_kl", 0.5, 0),
@@ -124,6 +128,12 @@ def test_distillation_loss_and_its_gradient_match_a_float64_reference(divergence
     assert metrics["distill/top_token_differs"] == pytest.approx(float(differs)) and float(want_loss.detach()) > 0
     for got, want in zip(grads, want_grads):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
+    # the teacher's log-prob of each sampled action token, read from the logits the loss used (0 elsewhere)
+    sampled_t = log_t.gather(-1, batch.input_ids.unsqueeze(-1)).squeeze(-1) * mask
+    got = namespace.teacher_sampled
+    assert not got[mask].isnan().any()  # every micro-batch gave its rows (each cut to its longest row)
+    torch.testing.assert_close(got.nan_to_num(0.0), sampled_t, rtol=1e-9, atol=1e-12)
+    assert float(sampled_t.abs().min()) == 0 and float(sampled_t[mask].abs().min()) > 0
 
 
 def test_observation_tokens_get_loss_only_from_the_observation_loss():
@@ -201,6 +211,59 @@ def test_on_policy_advantage_term_is_minus_coef_times_the_sampled_reverse_kl(tin
     torch.testing.assert_close(with_term - without, -0.5 * sampled_kl.to(with_term.dtype), rtol=1e-4, atol=1e-5)
     assert stats["distill/sampled_kl"] == pytest.approx(float(sampled_kl.sum() / mask.sum()), rel=1e-4, abs=1e-6)
     assert float(sampled_kl.abs().max()) > 1e-3  # the student really differs from the teacher
+
+
+def test_a_loss_form_teacher_leaves_the_pre_update_passes_to_the_update(tiny_model_dir, tmp_path, monkeypatch):
+    """distill.form=loss, two updates a step: the teacher runs no pass of its own before the
+    updates (its term reads its logits in the update), the policy's no-grad pass scores only the
+    second update's rows (the first's pi_prox is that update's own pass), and the step's
+    distill/sampled_kl is the pre-update policy's log-probs minus the teacher's over the
+    batch's action tokens, as a separate pass of each computes it. The step's weights and losses
+    are those of a step whose no-grad pass scored every row."""
+    from keelrl.train import advantage as advantage_module
+    from keelrl.train.advantage import AdvantageStage
+
+    teacher_dir = save_tiny_default(tmp_path / "teacher", replace(SMALL, seed=7))
+    overrides = [*FAST, f"model.path={tiny_model_dir}", "distill.mode=on_policy", f"distill.teacher={teacher_dir}",
+                 "distill.form=loss", "train.minibatch_size=2", "eval.every=5", "rollout.temperature=0.6"]
+    scored, teacher_passes = [], []
+    real = advantage_module.chunked_token_logprobs
+    monkeypatch.setattr(advantage_module, "chunked_token_logprobs",
+                        lambda model, ids, *a, **k: scored.append(ids.shape[0]) or real(model, ids, *a, **k))
+    real_teacher = Teacher.logprobs
+    monkeypatch.setattr(Teacher, "logprobs", lambda *a, **k: teacher_passes.append(1) or real_teacher(*a, **k))
+    results = {}
+    for partial in (True, False):
+        if not partial:
+            monkeypatch.setattr(AdvantageStage, "update_gives_prox", lambda self: False)
+        trainer = Trainer(load_config(overrides=[*overrides, f"run_dir={tmp_path / str(partial)}"]))
+        trainer.warm_start()
+        engine = trainer.make_engine()
+        engine.start(0)
+        rollouts = engine.batch(1)
+        engine.close()
+        batch = collate(rollouts.trajectories, trainer.pad_id)
+        view = trainer.teacher.view(batch, rollouts.trajectories, trainer.pad_id)
+        with torch.no_grad():  # independent passes on the weights the step starts from
+            prox = token_logprobs(trainer.model.eval(), batch.input_ids, batch.attention_mask,
+                                  temperature=trainer.cfg.rollout.temperature)["logp"]
+            teacher_logp = real_teacher(trainer.teacher, view, batch.action_mask, None)
+        mask = batch.action_mask
+        want = float(((prox - teacher_logp) * mask).sum() / mask.sum())
+        scored.clear()
+        teacher_passes.clear()
+        row = trainer.rl_step(1, rollouts)
+        assert row["train/updates"] == 2 and not teacher_passes
+        assert row["distill/sampled_kl"] == pytest.approx(want, rel=1e-4, abs=1e-5)
+        assert abs(want) > 1e-3  # the two models differ
+        results[partial] = (row, [p.detach().clone() for p in trainer.model.parameters()], list(scored))
+    (partial_row, partial_params, partial_scored), (plain_row, plain_params, plain_scored) = results[True], results[False]
+    assert partial_scored[0] == 2 and plain_scored[0] == 4  # the policy's pass; the frozen reference's follows, if any
+    assert partial_scored[1:] == plain_scored[1:]
+    for a, b in zip(partial_params, plain_params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for key in ("policy/loss", "distill/loss", "distill/kl", "rollout/arrival_is_weight_mean"):
+        assert partial_row[key] == pytest.approx(plain_row[key], rel=1e-4, abs=1e-5), key
 
 
 def test_the_self_teacher_reads_the_reference_fix_and_scores_the_students_tokens(tiny_model_dir, tmp_path):

@@ -18,7 +18,8 @@ In this order, all without gradients:
 4. process reward shaping: the process reward model scores the turns (before it is fitted on
    this batch: an out-of-sample accuracy), adds `prm.weight` x its advantages, then fits;
 5. distillation shaping: minus `distill.coef` x the teacher's sampled reverse KL per token
-   (`distill.form=advantage`);
+   (`distill.form=advantage`; the teacher's pass runs here for that form alone, the loss form
+   reads the teacher in the update);
 6. for a batch the teacher sampled (GKD), no RL term: advantages 0, the student's own
    pre-update log-probs as the behaviour log-probs;
 7. otherwise, with `algo.overlong=mask`, the episodes cut by a limit leave the updates' action
@@ -189,11 +190,15 @@ class AdvantageStage:
         no-grad pass before it (a quarter of the learner's work for those rows).
 
         Only with one epoch (a second would update those rows again on moved weights) and without
-        a critic, a process reward model or a teacher, which need the pre-update pass's values,
-        hidden states or log-probs for every row before the update starts.
+        a critic, a process reward model or a teacher of the advantage form, which need the
+        pre-update pass's values, hidden states or log-probs for every row before the update starts.
+        A loss-form teacher (`distill.form=loss`) does not: its term reads the teacher's logits in
+        the update, and its sampled reverse KL (a metric) is taken after the update
+        (`Learner.update`'s teacher log-probs). A batch the teacher sampled still gets the whole
+        pass (its behaviour log-probs, step 6).
         """
         return (self.cfg.train.epochs == 1 and self.value_head is None and self.prm is None
-                and self.teacher is None)
+                and (self.teacher is None or self.cfg.distill.form == "loss"))
 
     def prox_from_update(self, batch: Batch) -> bool:
         """Whether every row's proximal log-probs come from the update's own pass (`update_gives_prox`
@@ -217,11 +222,12 @@ class AdvantageStage:
         steps, step_labels = labelled_turns(batch)
         prox_out: dict[str, Tensor] = {}
         prox_own = None
-        whole = self.prox_from_update(batch)
+        gives = self.update_gives_prox() and not sampled_by_teacher  # step 6 needs every row's pre-update pass
+        whole = gives and self.prox_from_update(batch)
         own = torch.zeros(batch.input_ids.shape[0], dtype=torch.bool, device=batch.input_ids.device)
         own[list(first_update)] = True
         rest = (~own).nonzero(as_tuple=True)[0]
-        if not whole and self.update_gives_prox() and bool(own.any()) and len(rest):  # no-grad: the later updates' rows
+        if not whole and gives and bool(own.any()) and len(rest):  # no-grad: the later updates' rows
             prox_own = own
             with self.autocast():
                 rest_logp = chunked_token_logprobs(self.model, batch.input_ids[rest], batch.attention_mask[rest],
@@ -273,7 +279,8 @@ class AdvantageStage:
                 advantages = advantages + process_advantages(scores, steps, batch,
                                                              self.cfg.prm.weight).to(advantages.dtype)
             prm_stats.update(self.prm.fit(features, step_labels))
-        if self.teacher is not None and teacher_view is not None:
+        if self.teacher is not None and teacher_view is not None and self.cfg.distill.form == "advantage":
+            # (the loss form's sampled KL is the trainer's, from the teacher's logits in the update)
             teacher_logp = self.teacher.logprobs(teacher_view, mask, keys)
             assert prox_logp is not None  # a teacher keeps the pre-update pass
             sampled_kl = sampled_reverse_kl(prox_logp, teacher_logp).masked_fill(~mask, 0.0)  # [B, T]

@@ -26,7 +26,7 @@ that `algo.overlong=mask` left out) makes no optimiser step and is not counted.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -177,11 +177,13 @@ class UpdateInputs:
 class MinibatchResult:
     """One minibatch's backward: its metrics (None: a micro-batch's loss was not finite, and the
     remaining ones did not run), the passes run, and each pass's own detached log-probs as
-    (rows, width, logp [b, width]) when the inputs had no proximal log-probs."""
+    (rows, width, logp [b, width]) when the inputs had no proximal log-probs; with a loss-form
+    teacher, the teacher's log-prob of each sampled action token the same way (0 elsewhere)."""
 
     metrics: dict[str, float] | None
     passes: int
     own_logp: list[tuple[Tensor, int, Tensor]]
+    teacher_logp: list[tuple[Tensor, int, Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -195,6 +197,12 @@ class UpdateResult:
     micro_batches: int
     lr: float
     prox_logp: Tensor
+    teacher_logp: Tensor | None = None
+    """With a loss-form teacher: the teacher's log-prob of each sampled action token the first
+    epoch's updates scored, [B, T] (at the sampling temperature, as `Teacher.logprobs`), read
+    from the logits its loss term used; None without one."""
+    teacher_scored: Tensor | None = None
+    """[B, T] bool: where teacher_logp holds a value (the action tokens of the minibatches that ran)."""
 
 
 def adamw(params: Sequence[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -266,6 +274,10 @@ class Learner:
         updates = skipped = micro_batches = 0
         given = inputs.prox_logp
         prox = given.clone() if given is not None else torch.zeros_like(inputs.batch.behaviour_logprobs)
+        teacher_logp = teacher_scored = None
+        if self.loss_teacher is not None:
+            teacher_logp = torch.zeros_like(inputs.batch.behaviour_logprobs)
+            teacher_scored = torch.zeros_like(inputs.batch.action_mask, dtype=torch.bool)
         orders = self.orders(group_ids, step)
         if inputs.prox_own is not None and (set(inputs.prox_own.nonzero().flatten().tolist())
                                             != set(orders[0][:train.minibatch_size])):
@@ -283,6 +295,10 @@ class Learner:
                 micro_batches += result.passes
                 for micro_rows, width, logp in result.own_logp:
                     prox[micro_rows, :width] = logp
+                if epoch == 0 and teacher_logp is not None and teacher_scored is not None:
+                    for micro_rows, width, logp in result.teacher_logp:
+                        teacher_logp[micro_rows, :width] = logp
+                        teacher_scored[micro_rows, :width] = inputs.batch.action_mask[micro_rows, :width]
                 metrics = result.metrics
                 if metrics is None:  # a micro-batch's loss was not finite
                     self.optimizer.zero_grad(set_to_none=True)
@@ -299,7 +315,7 @@ class Learner:
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + value
         return UpdateResult({key: value / max(1, updates) for key, value in sums.items()}, updates, skipped,
-                            micro_batches, lr, prox)
+                            micro_batches, lr, prox, teacher_logp, teacher_scored)
 
     def orders(self, group_ids: Sequence[int], step: int) -> list[list[int]]:
         """Each epoch's row order for step `step`'s updates (`group_order`, its shuffle seeded by the
@@ -340,6 +356,7 @@ class Learner:
         action_tokens = int(mask.sum())
         parts: list[tuple[dict[str, Tensor], float, float, bool]] = []
         own_logp: list[tuple[Tensor, int, Tensor]] = []
+        teacher_logp: list[tuple[Tensor, int, Tensor]] = []
         keys = prefix_keys(self.cfg.perf, batch)
         observation_coef = 0.0 if batch.observation_mask is None else distill.observation_coef
         observed = batch.observation_mask[rows] if observation_coef > 0 else None  # type: ignore[index]
@@ -378,10 +395,11 @@ class Learner:
                 metrics.update(vmetrics)
             if self.loss_teacher is not None:
                 assert inputs.teacher_view is not None  # a loss-form teacher views every batch
-                dloss, dmetrics = self.distill_loss(self.loss_teacher, inputs.teacher_view, out["hidden"],
-                                                    micro.action_mask, micro_rows)
+                dloss, dmetrics, sampled = self.distill_loss(self.loss_teacher, inputs.teacher_view, out["hidden"],
+                                                             micro.input_ids, micro.action_mask, micro_rows)
                 loss = loss + dloss
                 metrics.update(dmetrics)
+                teacher_logp.append((micro_rows, width, sampled.to(batch.behaviour_logprobs.dtype)))
             total = loss * scale
             if observed is not None:  # Echo: next-token loss on the observation tokens, minibatch token mean
                 micro_observed = observed[group, :width]
@@ -389,7 +407,7 @@ class Learner:
                 total = total + observation_coef * nll
                 observation_nll += float(nll.detach())
             if not torch.isfinite(total):
-                return MinibatchResult(None, len(parts) + 1, own_logp)
+                return MinibatchResult(None, len(parts) + 1, own_logp, teacher_logp)
             if total.requires_grad:  # a micro-batch without action tokens has no graph: nothing to add
                 total.backward()
             micro_tokens = int(micro.action_mask.sum())
@@ -398,12 +416,14 @@ class Learner:
         if observed is not None:
             combined["train/observation_nll"] = observation_nll
             combined["train/observation_tokens"] = float(observed.sum())
-        return MinibatchResult(combined, len(parts), own_logp)
+        return MinibatchResult(combined, len(parts), own_logp, teacher_logp)
 
-    def distill_loss(self, teacher: Teacher, view: TeacherView, hidden: Tensor, action_mask: Tensor,
-                     rows: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    def distill_loss(self, teacher: Teacher, view: TeacherView, hidden: Tensor, input_ids: Tensor,
+                     action_mask: Tensor, rows: Tensor) -> tuple[Tensor, dict[str, Tensor], Tensor]:
         """coef x the aggregated divergence between the student's and the teacher's next-token
-        distributions at each action token of a micro-batch (distill.form=loss), and its metrics."""
+        distributions at each action token of a micro-batch (distill.form=loss), its metrics, and
+        the teacher's log-prob of each sampled action token ([b, t], 0 elsewhere; no gradient),
+        read from the same logits."""
         cfg, algo = self.cfg.distill, self.cfg.algo
         student = head_logits(self.model, hidden, action_mask, self.cfg.rollout.temperature)  # [n, V]
         target = teacher.action_logits(view, rows)  # [n, V]
@@ -416,10 +436,15 @@ class Learner:
         where = action_mask[:, 1:].nonzero(as_tuple=True)
         dense = torch.zeros(action_mask.shape, dtype=per_token.dtype, device=per_token.device)
         dense = dense.index_put((where[0], where[1] + 1), per_token)
+        with torch.no_grad():
+            picked = torch.log_softmax(target, dim=-1).gather(1, input_ids[where[0], where[1] + 1].unsqueeze(1))
+            sampled = torch.zeros(action_mask.shape, dtype=picked.dtype, device=picked.device)
+            sampled = sampled.index_put((where[0], where[1] + 1), picked.squeeze(1))
         loss = cfg.coef * aggregate(dense, action_mask, algo)
         count = max(1, per_token.numel())
         return loss, {"distill/loss": loss.detach(), "distill/kl": per_token.detach().sum() / count,
-                      "distill/top_token_differs": top_token_disagreement(student.detach(), target).sum() / count}
+                      "distill/top_token_differs": top_token_disagreement(student.detach(), target).sum() / count}, \
+            sampled
 
     # ----------------------------------------------------------------- supervised updates
     def sft_update(self, batch: Batch, optimizer: torch.optim.Optimizer) -> float:

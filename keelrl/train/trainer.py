@@ -46,6 +46,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from keelrl.alarms import AlarmMonitor
+from keelrl.algos.distill import sampled_reverse_kl
 from keelrl.components import check
 from keelrl.config import KeelConfig, dump_config, to_dict, with_paths
 from keelrl.envs.formats import format_of
@@ -379,6 +380,11 @@ class Trainer:
         self.skipped_steps += update.skipped
         if estimated.inputs.prox_logp is None or estimated.inputs.prox_own is not None:  # updates' passes gave pi_prox
             estimated.stats.update(arrival_stats(update.prox_logp, estimated.inputs.batch, self.cfg.algo))
+        if update.teacher_logp is not None and update.teacher_scored is not None and not rollouts.sampled_by_teacher:
+            # a loss-form teacher's sampled reverse KL: pi_prox against the teacher's logits in the update
+            scored = update.teacher_scored
+            sampled_kl = sampled_reverse_kl(update.prox_logp, update.teacher_logp).masked_fill(~scored, 0.0)
+            estimated.stats["distill/sampled_kl"] = sampled_kl.sum().item() / max(1, int(scored.sum()))
         # 6. log (5, publishing, follows in `run`)
         seconds = time.monotonic() - started
         learn_seconds = time.monotonic() - learn_started
