@@ -39,6 +39,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "lora": ("bench.bench_lora", "LoRA against full fine-tuning"),
     "lockstep": ("bench.bench_lockstep", "Lockstep batches against streaming"),
     "proximal": ("bench.bench_proximal", "The first update's proximal log-probs from its own pass"),
+    "padding": ("bench.bench_padding", "A group's rows split into passes by length"),
 }
 """name -> (module, title), in the order they run and are reported."""
 

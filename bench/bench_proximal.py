@@ -23,25 +23,19 @@ settings, made once per machine when it is not cached yet); `--model` takes anot
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Clock, Ratio, Section, arguments, labs_student, machine, write_section
+from bench.common import Clock, Ratio, Section, arguments, machine, sampled_step, step_arguments, write_section
 
 MODES = ("every row", "later minibatches")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = arguments(__doc__.split("\n\n")[0], out="proximal")
-    parser.add_argument("--model", default="", help="a registered model name or a local path (default: the labs' "
-                                                    "cached student)")
-    parser.add_argument("--tasks", type=int, default=4)
-    parser.add_argument("--group", type=int, default=4)
-    parser.add_argument("--minibatch", type=int, default=8, help="train.minibatch_size (rows an update)")
-    parser.add_argument("--repeats", type=int, default=3)
+    step_arguments(parser, minibatch=8)
     args = parser.parse_args(argv)
     if args.smoke:
         args.model = args.model or "tiny"
@@ -54,13 +48,8 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     import tempfile
 
-    from keelrl.config import load_config
-    from keelrl.rollout.trajectory import collate
     from keelrl.train import advantage as advantage_module
-    from keelrl.train.trainer import Trainer
 
-    model = labs_student(args.model)
-    small = ["env.show_file=false", "env.max_turns=3", "rollout.max_new_tokens=16"] if args.smoke else []
     scored: list[int] = []
     real_pass = advantage_module.chunked_token_logprobs
 
@@ -70,27 +59,12 @@ def main(argv: list[str] | None = None) -> None:
 
     advantage_module.chunked_token_logprobs = counted_pass  # type: ignore[assignment]
     with tempfile.TemporaryDirectory(prefix="keel-bench-proximal-") as scratch:
-        cfg = load_config(overrides=[f"model.path={model}", f"run_dir={Path(scratch) / 'run'}", "warm_start.demos=0",
-                                     f"rollout.tasks_per_step={args.tasks}", f"rollout.group_size={args.group}",
-                                     f"train.minibatch_size={args.minibatch}", "algo.kl_coef=0",
-                                     "algo.dynamic_sampling=false", "rollout.engine=sync", "rollout.lockstep=true",
-                                     *small])
-        trainer = Trainer(cfg)
-        engine = trainer.make_engine()
-        engine.start(0)
-        rollouts = engine.batch(1)
-        engine.close()
-        trajectories = rollouts.trajectories
-        group_ids = [t.group_id for t in trajectories]
-        batch = collate(trajectories, trainer.pad_id).to(trainer.device)
-        first = trainer.learner.first_update_rows(group_ids, 1)
-        weights = copy.deepcopy(trainer.model.state_dict())
-        optimiser = copy.deepcopy(trainer.learner.optimizer.state_dict())
-        tokens = int(batch.attention_mask.sum())
+        step = sampled_step(args, Path(scratch) / "run", ["algo.kl_coef=0"])
+        trainer, trajectories, batch, group_ids, first, tokens = (step.trainer, step.trajectories, step.batch,
+                                                                  step.group_ids, step.first, step.tokens)
 
         def once(mode: str) -> dict[str, Any]:
-            trainer.model.load_state_dict(weights)
-            trainer.learner.optimizer.load_state_dict(optimiser)
+            step.reset()
             scored.clear()
             clock = Clock()
             estimated = trainer.advantages(batch, first_update=first if mode == MODES[1] else ())
@@ -130,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     write_section(args.out, Section(name="proximal", title="The first update's proximal log-probs from its own pass",
                                     markdown="\n".join(body), ratios=ratios, smoke=args.smoke,
                                     seconds=time.perf_counter() - started,
-                                    data={"figures": figures, "model": model, "first_update": first,
+                                    data={"figures": figures, "model": step.model, "first_update": first,
                                           "episodes": len(trajectories), "tokens": tokens,
                                           "weight_diff": weight_diff}))
 

@@ -110,6 +110,65 @@ def labs_student(model: str = "") -> str:
     return str(cached_student(CODING_LAB, progress=lambda message: print(message, flush=True)))
 
 
+def step_arguments(parser: argparse.ArgumentParser, *, minibatch: int) -> None:
+    """The flags of a benchmark that reruns one sampled RL step's learner (`sampled_step`)."""
+    parser.add_argument("--model", default="", help="a registered model name or a local path (default: the labs' "
+                                                    "cached student)")
+    parser.add_argument("--tasks", type=int, default=4)
+    parser.add_argument("--group", type=int, default=4)
+    parser.add_argument("--minibatch", type=int, default=minibatch, help="train.minibatch_size (rows an update)")
+    parser.add_argument("--repeats", type=int, default=3)
+
+
+@dataclass
+class SampledStep:
+    """One RL step's rollouts, sampled once, and what reruns its learner from the same start."""
+
+    model: str
+    trainer: Any
+    trajectories: list[Any]
+    batch: Any
+    group_ids: list[int]
+    first: list[int]
+    """The rows of the step's first minibatch (`Learner.first_update_rows`)."""
+    weights: dict[str, Any]
+    optimiser: dict[str, Any]
+    tokens: int
+
+    def reset(self) -> None:
+        """The policy's weights and optimiser state as the step started."""
+        self.trainer.model.load_state_dict(self.weights)
+        self.trainer.learner.optimizer.load_state_dict(self.optimiser)
+
+
+def sampled_step(args: argparse.Namespace, run_dir: Path, overrides: Sequence[str] = ()) -> SampledStep:
+    """Sample step 1's rollouts of the coding labs' shape (`args.tasks` x `args.group`, five
+    turns, the sync engine in lockstep, no dynamic sampling) from `labs_student(args.model)` with
+    `train.minibatch_size=args.minibatch` and `overrides`; `args.smoke` shortens the episodes."""
+    import copy
+
+    from keelrl.config import load_config
+    from keelrl.rollout.trajectory import collate
+    from keelrl.train.trainer import Trainer
+
+    model = labs_student(args.model)
+    small = ["env.show_file=false", "env.max_turns=3", "rollout.max_new_tokens=16"] if args.smoke else []
+    cfg = load_config(overrides=[f"model.path={model}", f"run_dir={run_dir}", "warm_start.demos=0",
+                                 f"rollout.tasks_per_step={args.tasks}", f"rollout.group_size={args.group}",
+                                 f"train.minibatch_size={args.minibatch}", "algo.dynamic_sampling=false",
+                                 "rollout.engine=sync", "rollout.lockstep=true", *overrides, *small])
+    trainer = Trainer(cfg)
+    engine = trainer.make_engine()
+    engine.start(0)
+    trajectories = engine.batch(1).trajectories
+    engine.close()
+    group_ids = [t.group_id for t in trajectories]
+    batch = collate(trajectories, trainer.pad_id).to(trainer.device)
+    return SampledStep(model, trainer, trajectories, batch, group_ids, trainer.learner.first_update_rows(group_ids, 1),
+                       copy.deepcopy(trainer.model.state_dict()), copy.deepcopy(trainer.learner.optimizer.state_dict()),
+                       int(batch.attention_mask.sum()))
+
+
 # --------------------------------------------------------------------------- worker processes
 def run_worker(module: str, spec: dict[str, Any], what: str) -> dict[str, Any]:
     """Run `python -m MODULE --worker SPEC.json` in a fresh process (pinning, threads and memory

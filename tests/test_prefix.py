@@ -166,6 +166,74 @@ def test_plans_keep_the_budget_and_cover_every_row_once():
     assert all(micro.units is None for micro in plan_passes(ids, attention, 64))  # no keys: plain passes
 
 
+def test_a_group_of_very_different_lengths_splits_where_that_saves_more_padding_than_a_pass_costs():
+    """Hand-worked: one group sharing 11 tokens (cut 10), continuations 100, 30, 28 and 20 wide.
+    In one pass: 10 + 4 x 100 = 410 padded tokens. The longest alone, then the other three:
+    (10 + 100) + (10 + 3 x 30) = 210, the best of all splits (three parts: 110 + 70 + 30 = 210
+    as well, but a pass more; 110 + 40 + 66 = 216). With a pass worth 8 tokens: 226 against 418,
+    so two parts; worth 250: 710 against 660, so one; off (None): the fewest the budget allows."""
+    lengths = [110, 40, 38, 30]
+    unit = PrefixUnit((2, 0, 3, 1), 11)
+    assert plan_micro_batches([unit], lengths, 1000, overhead=8) == [[PrefixUnit((0,), 11)],
+                                                                      [PrefixUnit((1, 2, 3), 11)]]
+    assert plan_micro_batches([unit], lengths, 1000, overhead=250) == [[PrefixUnit((0, 1, 2, 3), 11)]]
+    assert plan_micro_batches([unit], lengths, 1000) == [[PrefixUnit((0, 1, 2, 3), 11)]]
+    assert plan_micro_batches([unit], lengths, 300) == [[PrefixUnit((0, 1), 11)], [PrefixUnit((2, 3), 11)]]
+    # Two units of similar width share a pass when that adds no more padding than a pass costs:
+    # cuts 10 and 12, widths 30 and 28: together 2 x 12 + 2 x 30 = 84 against 40 + 40 = 80 apart.
+    pair = [PrefixUnit((0,), 11), PrefixUnit((1,), 13)]
+    assert plan_micro_batches(pair, [40, 40], 1000, overhead=4) == [pair]
+    assert plan_micro_batches(pair, [40, 40], 1000, overhead=3) == [[pair[0]], [pair[1]]]
+    with pytest.raises(ValueError, match="overhead"):
+        plan_micro_batches([unit], lengths, 1000, overhead=-1)
+    ids, attention, positions, keys = grouped_batch([(11, [99, 29, 27, 19])])
+    plan = plan_passes(ids, attention, 1000, keys=keys, positions=positions)  # a CPU batch: PASS_OVERHEAD_TOKENS (64)
+    assert [micro.rows for micro in plan] == [(0,), (1, 2, 3)] and plan[1].width == 11 + 29
+    assert len(plan_passes(ids, attention, 1000, keys=keys, positions=positions, overhead=None)) == 1
+    assert prefix_module.pass_overhead(torch.device("cpu")) == prefix_module.PASS_OVERHEAD_TOKENS
+    assert prefix_module.pass_overhead(torch.device("cuda")) is None
+
+
+def partitions(items: list[int]):
+    """Every partition of `items` into non-empty parts."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for partition in partitions(rest):
+        yield [[first], *partition]
+        for index in range(len(partition)):
+            yield [*partition[:index], [first, *partition[index]], *partition[index + 1:]]
+
+
+def test_a_units_split_by_length_is_the_cheapest_of_every_partition_of_its_rows():
+    """Brute force over every partition of a unit's rows (not only runs of the sorted order): the
+    plan's parts cost (padded tokens + overhead a part) no more than the cheapest partition
+    within the budget, and never more than the split with no overhead counted (`overhead=None`)."""
+    generator = torch.Generator().manual_seed(11)
+    for trial in range(150):
+        rows = int(torch.randint(1, 7, (), generator=generator))
+        shared = int(torch.randint(2, 40, (), generator=generator))
+        lengths = [shared + int(torch.randint(1, 200, (), generator=generator)) for _ in range(rows)]
+        overhead = int(torch.randint(0, 120, (), generator=generator))
+        budget = int(torch.randint(150, 1200, (), generator=generator))
+        unit = PrefixUnit(tuple(range(rows)), shared)
+
+        def cost(parts):
+            return sum(unit.cut + len(part) * max(lengths[r] - unit.cut for r in part) + overhead for part in parts)
+
+        def allowed(parts):
+            return all(len(p) == 1 or unit.cut + len(p) * max(lengths[r] - unit.cut for r in p) <= budget
+                       for p in parts)
+
+        best = min(cost(parts) for parts in partitions(list(range(rows))) if allowed(parts))
+        split = prefix_module._split_unit(unit, lengths, budget, overhead)
+        assert sorted(r for part in split for r in part.rows) == list(range(rows))
+        assert allowed([part.rows for part in split]) and cost([part.rows for part in split]) == best, trial
+        fewest = prefix_module._split_unit(unit, lengths, budget, None)
+        assert cost([part.rows for part in split]) <= cost([part.rows for part in fewest]), trial
+
+
 def test_chunked_passes_by_shared_prefix_equal_plain_ones():
     model = float64_model(VOCAB).eval()
     ids, attention, positions, keys = grouped_batch()
@@ -174,13 +242,30 @@ def test_chunked_passes_by_shared_prefix_equal_plain_ones():
         shared = chunked_token_logprobs(model, ids, attention, max_tokens=budget, positions=positions, temperature=0.7,
                                         keys=keys)
         torch.testing.assert_close(shared["logp"], plain["logp"], rtol=0, atol=1e-12)
+    # a group of very different lengths, split by length into two passes (a CPU batch), against plain
+    ids, attention, positions, keys = grouped_batch([(11, [99, 29, 27, 19]), (5, [3, 4])])
+    assert len(plan_passes(ids, attention, 1000, keys=keys, positions=positions)) == 2
+    plain = chunked_token_logprobs(model, ids, attention, max_tokens=1000, positions=positions, temperature=0.7)
+    split = chunked_token_logprobs(model, ids, attention, max_tokens=1000, positions=positions, temperature=0.7,
+                                   keys=keys)
+    torch.testing.assert_close(split["logp"], plain["logp"], rtol=0, atol=1e-12)
 
 
-def test_accumulated_update_by_shared_prefix_equals_the_plain_one():
-    """Learner.accumulate_gradients, micro-batched by shared prompt, against micro-batched plainly."""
-    model = float64_model(VOCAB)
-    ids, attention, positions, keys = grouped_batch()
-    generator = torch.Generator().manual_seed(5)
+def learner_namespace(model, algo: AlgoConfig, *, budget: int, share: bool) -> SimpleNamespace:
+    """What `Learner.accumulate_gradients` reads of a learner: micro-batches of `budget` padded
+    tokens, by shared prompt or not; the policy alone, no teacher."""
+    return SimpleNamespace(cfg=SimpleNamespace(algo=algo, distill=DistillConfig(), rollout=SimpleNamespace(temperature=1.0),
+                                               perf=SimpleNamespace(micro_batch_tokens=budget, share_prefix=share,
+                                                                    gradient_checkpointing=False)),
+                           model=model.train(), value_head=None, autocast=contextlib.nullcontext, loss_teacher=None)
+
+
+def update_case(model, groups, *, seed: int, draw: int):
+    """A grouped batch (`grouped_batch`) with random behaviour log-probs, rewards and advantages
+    (seeded by `draw`), the plain pass's log-probs as the reference, and GRPO with a k3 KL and an
+    entropy bonus -> (batch, advantages, ref_logp, algo)."""
+    ids, attention, positions, keys = grouped_batch(groups, seed=seed)
+    generator = torch.Generator().manual_seed(draw)
     behaviour = (torch.randn(ids.shape, generator=generator, dtype=torch.float64) * 0.3 - 3.5) * positions
     batch = Batch(ids, attention, positions, behaviour, torch.zeros_like(ids), torch.rand(len(ids), generator=generator),
                   keys)
@@ -188,15 +273,18 @@ def test_accumulated_update_by_shared_prefix_equals_the_plain_one():
     algo = AlgoConfig(preset="grpo", kl_coef=0.05, kl_estimator="k3", kl_in_reward=False, entropy_coef=0.01)
     with torch.no_grad():
         ref_all = reference(model, ids, attention, positions, 1.0)["logp"]
+    return batch, advantages, ref_all, algo
+
+
+def test_accumulated_update_by_shared_prefix_equals_the_plain_one():
+    """Learner.accumulate_gradients, micro-batched by shared prompt, against micro-batched plainly."""
+    model = float64_model(VOCAB)
+    batch, advantages, ref_all, algo = update_case(model, GROUPS, seed=0, draw=5)
+    behaviour = batch.behaviour_logprobs
     rows = torch.tensor([9, 0, 4, 1, 2, 3, 5, 8, 6, 7])
     results = {}
     for share in (False, True):
-        learner = SimpleNamespace(cfg=SimpleNamespace(algo=algo, distill=DistillConfig(),
-                                                      rollout=SimpleNamespace(temperature=1.0),
-                                                      perf=SimpleNamespace(micro_batch_tokens=40, share_prefix=share,
-                                                                            gradient_checkpointing=False)),
-                                  model=model.train(), value_head=None, autocast=contextlib.nullcontext,
-                                  loss_teacher=None)
+        learner = learner_namespace(model, algo, budget=40, share=share)
         model.zero_grad(set_to_none=True)
         result = Learner.accumulate_gradients(learner, UpdateInputs(  # type: ignore[arg-type]
             batch, advantages, torch.zeros_like(advantages), None, ref_all, behaviour), rows)
@@ -208,6 +296,36 @@ def test_accumulated_update_by_shared_prefix_equals_the_plain_one():
         assert metrics[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
     for expected, actual in zip(plain_grads, grads):
         torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-9)
+
+
+def test_an_update_split_by_length_equals_the_plain_one():
+    """Learner.accumulate_gradients on a group of very different lengths: split into two passes
+    by length (a CPU batch, PASS_OVERHEAD_TOKENS), in one pass (no overhead: the fewest passes),
+    and plainly; the same metrics and gradients (float64, as the test above)."""
+    model = float64_model(VOCAB)
+    batch, advantages, ref_all, algo = update_case(model, [(11, [99, 29, 27, 19]), (6, [5, 40, 3])], seed=4, draw=6)
+    behaviour = batch.behaviour_logprobs
+    rows = torch.arange(batch.input_ids.shape[0])
+    results = {}
+    real = prefix_module.pass_overhead
+    for mode in ("plain", "one pass", "split"):
+        prefix_module.pass_overhead = real if mode == "split" else (lambda device: None)
+        learner = learner_namespace(model, algo, budget=1000, share=mode != "plain")
+        model.zero_grad(set_to_none=True)
+        try:
+            result = Learner.accumulate_gradients(learner, UpdateInputs(  # type: ignore[arg-type]
+                batch, advantages, torch.zeros_like(advantages), None, ref_all, behaviour), rows)
+        finally:
+            prefix_module.pass_overhead = real
+        results[mode] = (result.metrics, result.passes, [p.grad.clone() for p in model.parameters()])
+    # split: the 100-wide row with the 41-wide one (together they pad no more than a pass costs), then the rest
+    assert results["one pass"][1] == 1 and results["split"][1] == 2
+    for mode in ("one pass", "split"):
+        metrics, _, grads = results[mode]
+        for key, value in results["plain"][0].items():
+            assert metrics[key] == pytest.approx(value, rel=1e-9, abs=1e-12), (mode, key)
+        for expected, actual in zip(results["plain"][2], grads):  # HF's float32 RMSNorm: see the module docstring
+            torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-8)
 
 
 def test_the_trainer_runs_its_passes_by_shared_prompt_and_updates_as_without(tiny_model_dir, tmp_path, monkeypatch):

@@ -22,6 +22,7 @@ from the continuation pass, which starts one token before the first of them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -95,32 +96,72 @@ def _unit_cost(unit: PrefixUnit, lengths: Sequence[int]) -> tuple[int, int]:
     return unit.cut, max(lengths[row] for row in unit.rows) - unit.cut
 
 
-def plan_micro_batches(units: Sequence[PrefixUnit], lengths: Sequence[int], max_tokens: int) -> list[list[PrefixUnit]]:
+def _padded_tokens(batch: Sequence[PrefixUnit], lengths: Sequence[int]) -> int:
+    """A micro-batch's padded tokens: units x longest cut + rows x widest continuation."""
+    costs = [_unit_cost(unit, lengths) for unit in batch]
+    return len(batch) * max(c for c, _ in costs) + sum(len(unit.rows) for unit in batch) * max(w for _, w in costs)
+
+
+def _split_unit(unit: PrefixUnit, lengths: Sequence[int], max_tokens: int, overhead: int | None) -> list[PrefixUnit]:
+    """One unit's rows, widest continuation first, in parts that share its prefix.
+
+    overhead None: as few parts as `max_tokens` allows, filled in order. Else the split that
+    minimises the parts' padded tokens plus `overhead` a part, each part within the budget
+    (a row alone may exceed it): rows of very different lengths then run in separate passes
+    instead of padding the short ones to the longest (a dynamic programme over the sorted rows).
+    """
+    cut, _ = _unit_cost(unit, lengths)
+    rows = sorted(unit.rows, key=lambda row: -lengths[row])
+    widths = [lengths[row] - cut for row in rows]
+    if overhead is None:
+        parts = []
+        while rows:
+            take = max(1, (max_tokens - cut) // max(1, lengths[rows[0]] - cut))
+            parts.append(PrefixUnit(tuple(rows[:take]), unit.shared))
+            rows = rows[take:]
+        return parts
+    count = len(rows)
+    best: list[float] = [0.0] + [math.inf] * count  # best[j]: the cheapest split of rows[:j]
+    start = [0] * (count + 1)
+    for end in range(1, count + 1):
+        for begin in range(end):
+            tokens = cut + (end - begin) * widths[begin]  # rows[begin] is the part's widest
+            if tokens > max_tokens and end - begin > 1:
+                continue
+            total = best[begin] + tokens + overhead
+            if total < best[end]:
+                best[end], start[end] = total, begin
+    bounds, end = [], count
+    while end > 0:
+        bounds.append((start[end], end))
+        end = start[end]
+    return [PrefixUnit(tuple(rows[begin:end]), unit.shared) for begin, end in reversed(bounds)]
+
+
+def plan_micro_batches(units: Sequence[PrefixUnit], lengths: Sequence[int], max_tokens: int,
+                       overhead: int | None = None) -> list[list[PrefixUnit]]:
     """Units packed into micro-batches whose padded tokens (units x longest cut + rows x
     widest continuation) stay within `max_tokens`; a unit too big on its own is split by rows
     (its parts still share the prefix), down to one row, which runs over budget if it must.
 
     Units go in order of continuation width, widest first, so similar widths share a batch.
+    `overhead` (None: off) is what one more pass costs, in padded tokens: a unit is then split
+    where that saves more padding than the passes cost (`_split_unit`), and a part joins the
+    micro-batch before it only if that adds at most `overhead` padded tokens.
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    parts: list[PrefixUnit] = []
-    for unit in units:
-        cut, _ = _unit_cost(unit, lengths)
-        rows = sorted(unit.rows, key=lambda row: -lengths[row])
-        while rows:
-            widest = lengths[rows[0]] - cut
-            take = max(1, (max_tokens - cut) // max(1, widest))
-            parts.append(PrefixUnit(tuple(rows[:take]), unit.shared))
-            rows = rows[take:]
+    if overhead is not None and overhead < 0:
+        raise ValueError(f"overhead must be >= 0 padded tokens, got {overhead}")
+    parts = [part for unit in units for part in _split_unit(unit, lengths, max_tokens, overhead)]
     parts.sort(key=lambda unit: -_unit_cost(unit, lengths)[1])
     batches: list[list[PrefixUnit]] = []
     for unit in parts:
         if batches:
             trial = batches[-1] + [unit]
-            costs = [_unit_cost(u, lengths) for u in trial]
-            tokens = len(trial) * max(c for c, _ in costs) + sum(len(u.rows) for u in trial) * max(w for _, w in costs)
-            if tokens <= max_tokens:
+            tokens = _padded_tokens(trial, lengths)
+            if tokens <= max_tokens and (overhead is None or tokens <= _padded_tokens(batches[-1], lengths)
+                                         + _padded_tokens([unit], lengths) + overhead):
                 batches[-1].append(unit)
                 continue
         batches.append([unit])
@@ -240,14 +281,32 @@ class MicroBatch:
     units: tuple[PrefixUnit, ...] | None = None
 
 
+def pass_overhead(device: torch.device) -> int | None:
+    """What one more forward pass is worth in padded tokens when a plan splits a group's rows by
+    length (`plan_micro_batches`): PASS_OVERHEAD_TOKENS on a CPU; None (no split for padding,
+    the fewest passes the budget allows) elsewhere, where a pass's fixed cost was not measured."""
+    return PASS_OVERHEAD_TOKENS if device.type == "cpu" else None
+
+
+PASS_OVERHEAD_TOKENS = 64
+"""A CPU forward pass's fixed cost, in padded tokens, that a split by length must save
+(docs/measurements.md#passes-split-by-length)."""
+
+
 def plan_passes(input_ids: Tensor, attention_mask: Tensor, max_tokens: int, *, keys: Sequence[int] | Tensor | None = None,
-                positions: Tensor | None = None) -> list[MicroBatch]:
+                positions: Tensor | None = None, overhead: int | None | str = "auto") -> list[MicroBatch]:
     """The micro-batches of one pass over a batch [B, T], each within `max_tokens` padded tokens.
 
     Without `keys`: rows grouped by `split_rows`, run plainly. With `keys` (group ids): rows
     whose key-mates share their leading tokens run by shared prefix (`plan_micro_batches`), so
-    the budget counts each prefix once; rows that share nothing run plainly. Runs on the CPU.
+    the budget counts each prefix once, and, with an `overhead` (auto: `pass_overhead` of the
+    batch's device), a group's rows of very different lengths run in separate passes; rows that
+    share nothing run plainly. Runs on the CPU.
     """
+    if overhead == "auto":
+        overhead = pass_overhead(input_ids.device)
+    if isinstance(overhead, str):
+        raise ValueError(f"overhead must be 'auto', None or a number of padded tokens, got {overhead!r}")
     lengths = row_lengths(attention_mask).cpu().tolist()
     if keys is None:
         return [MicroBatch(tuple(group), max(lengths[row] for row in group)) for group in split_rows(lengths, max_tokens)]
@@ -255,7 +314,7 @@ def plan_passes(input_ids: Tensor, attention_mask: Tensor, max_tokens: int, *, k
     shared = [unit for unit in units if unit.shared >= MIN_SHARED]
     alone = [row for unit in units if unit.shared < MIN_SHARED for row in unit.rows]
     plan = []
-    for units_of_batch in plan_micro_batches(shared, lengths, max_tokens):
+    for units_of_batch in plan_micro_batches(shared, lengths, max_tokens, overhead):
         rows, local = localize(units_of_batch)
         plan.append(MicroBatch(tuple(rows), max(lengths[row] for row in rows), tuple(local)))
     for group in split_rows([lengths[row] for row in alone], max_tokens):
