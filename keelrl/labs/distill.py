@@ -44,12 +44,14 @@ from keelrl.labs.common import (USER_OVERRIDES, LabResult, cached_student, confi
 from keelrl.runs import SUMMARY
 
 DISTILL = ["model.path=smollm2", "rollout.engine=sync", "rollout.tasks_per_step=4", "rollout.group_size=4",
-           "train.steps=4", "eval.every=2", "eval.tasks=32", "train.minibatch_size=4", "optim.lr=5e-5",
+           "train.steps=4", "eval.every=4", "eval.tasks=32", "train.minibatch_size=4", "optim.lr=5e-5",
            "output.checkpoint_every=1000", "output.sample_trajectories=2", "eval.base=false",
            "warm_start.demos=0", "distill.coef=1.0", "algo.dynamic_sampling=false", "warm_start.own_mistakes=0",
-           "rollout.lockstep=true"]
+           "rollout.lockstep=true", "eval.probe_tasks=0"]
 """The distill lab's budget on SmolLM2: 4 steps of 4 tasks x 4 attempts per variant, 4 updates a
-step, a 32-task held-out evaluation before RL (once) and every 2 steps; the same rollouts for
+step, a 32-task held-out evaluation before RL (once) and at each variant's end, with no probe
+between (as the other coding labs' `CODING_LAB`; a mid-run evaluation in both arms of a pair
+cost about 90 s of a Zen 3's 20-minute budget); the same rollouts for
 every variant (no dynamic sampling) and the warm starts' first round only; rollouts in lockstep,
 as the other coding labs' (`CODING_LAB`)."""
 
