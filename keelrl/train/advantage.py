@@ -224,11 +224,11 @@ class AdvantageStage:
         prox_own = None
         gives = self.update_gives_prox() and not sampled_by_teacher  # step 6 needs every row's pre-update pass
         whole = gives and self.prox_from_update(batch)
-        own = torch.zeros(batch.input_ids.shape[0], dtype=torch.bool, device=batch.input_ids.device)
-        own[list(first_update)] = True
-        rest = (~own).nonzero(as_tuple=True)[0]
-        if not whole and gives and bool(own.any()) and len(rest):  # no-grad: the later updates' rows
-            prox_own = own
+        rows = batch.input_ids.shape[0]
+        if not whole and gives and 0 < len(set(first_update)) < rows:  # no-grad: the later updates' rows
+            prox_own = torch.zeros(rows, dtype=torch.bool, device=batch.input_ids.device)
+            prox_own[list(first_update)] = True
+            rest = (~prox_own).nonzero(as_tuple=True)[0]
             with self.autocast():
                 rest_logp = chunked_token_logprobs(self.model, batch.input_ids[rest], batch.attention_mask[rest],
                                                    max_tokens=budget, positions=mask[rest], temperature=temperature,
