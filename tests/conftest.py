@@ -128,3 +128,14 @@ def keel_cli(*args: str) -> subprocess.CompletedProcess:
         signal.signal(signal.SIGTERM, before[2])
         torch.set_num_threads(before[3])
     return subprocess.CompletedProcess(["keel", *args], code, out.getvalue(), err.getvalue())
+
+
+def step_one_rollouts(trainer):
+    """Step 1's rollouts of `trainer` after its warm start, from an engine started and closed here."""
+    trainer.warm_start()
+    engine = trainer.make_engine()
+    engine.start(0)
+    try:
+        return engine.batch(1)
+    finally:
+        engine.close()

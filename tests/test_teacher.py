@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import FAST_RUN, SMALL, float64_model
+from conftest import FAST_RUN, SMALL, float64_model, step_one_rollouts
 from torch.distributions import Categorical, kl_divergence
 
 from keelrl.algos.config import AlgoConfig
@@ -237,11 +237,7 @@ def test_a_loss_form_teacher_leaves_the_pre_update_passes_to_the_update(tiny_mod
         if not partial:
             monkeypatch.setattr(AdvantageStage, "update_gives_prox", lambda self: False)
         trainer = Trainer(load_config(overrides=[*overrides, f"run_dir={tmp_path / str(partial)}"]))
-        trainer.warm_start()
-        engine = trainer.make_engine()
-        engine.start(0)
-        rollouts = engine.batch(1)
-        engine.close()
+        rollouts = step_one_rollouts(trainer)
         batch = collate(rollouts.trajectories, trainer.pad_id)
         view = trainer.teacher.view(batch, rollouts.trajectories, trainer.pad_id)
         with torch.no_grad():  # independent passes on the weights the step starts from

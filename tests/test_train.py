@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST_RUN
+from conftest import FAST_RUN, step_one_rollouts
 
 from keelrl.components import check
 from keelrl.config import TINY_RUN, load_config
@@ -244,12 +244,9 @@ def test_one_update_a_step_takes_its_proximal_logprobs_from_the_update_and_chang
             monkeypatch.setattr(AdvantageStage, "update_gives_prox", lambda self: False)
         run_dir = tmp_path / str(fused)
         trainer = Trainer(load_config(overrides=[*overrides, f"run_dir={run_dir}"]))
-        trainer.warm_start()
+        rollouts = step_one_rollouts(trainer)
         passes.clear()
-        engine = trainer.make_engine()
-        engine.start(0)
-        row = trainer.rl_step(1, engine.batch(1))
-        engine.close()
+        row = trainer.rl_step(1, rollouts)
         assert row["train/updates"] == 1
         results[fused] = (row, [p.detach().clone() for p in trainer.model.parameters()], len(passes))
     (fused_row, fused_params, fused_passes), (plain_row, plain_params, plain_passes) = results[True], results[False]
@@ -283,12 +280,8 @@ def test_two_updates_a_step_run_the_no_grad_pass_over_the_second_updates_rows_on
         if not partial:
             monkeypatch.setattr(AdvantageStage, "update_gives_prox", lambda self: False)
         trainer = Trainer(load_config(overrides=[*overrides, f"run_dir={tmp_path / str(partial)}"]))
-        trainer.warm_start()
+        rollouts = step_one_rollouts(trainer)
         scored.clear()
-        engine = trainer.make_engine()
-        engine.start(0)
-        rollouts = engine.batch(1)
-        engine.close()
         first = trainer.learner.first_update_rows([t.group_id for t in rollouts.trajectories], 1)
         row = trainer.rl_step(1, rollouts)
         assert row["train/updates"] == 2 and len(first) == 2
@@ -317,11 +310,7 @@ def test_the_learner_refuses_own_proximal_rows_outside_the_steps_first_minibatch
     cfg = load_config(overrides=[*TINY_RUN, f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", "train.steps=1",
                                  "rollout.engine=sync", *FAST, "train.minibatch_size=2"])
     trainer = Trainer(cfg)
-    trainer.warm_start()
-    engine = trainer.make_engine()
-    engine.start(0)
-    rollouts = engine.batch(1)
-    engine.close()
+    rollouts = step_one_rollouts(trainer)
     group_ids = [t.group_id for t in rollouts.trajectories]
     batch = collate(rollouts.trajectories, trainer.pad_id)
     first = trainer.learner.first_update_rows(group_ids, 1)
